@@ -1,0 +1,68 @@
+# DCP Recipes. `make html` and `make test` set up everything on a machine with python3.
+
+PYTHON      ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+PY          := $(BIN)/python
+READY       := $(VENV)/.requirements-installed
+BUILD       := _build
+SPHINXBUILD := $(PY) -m sphinx
+# Warnings are errors; --keep-going reports all of them before failing.
+SPHINXOPTS  ?= -W --keep-going
+HOST        ?= 127.0.0.1
+PORT        ?= 8000
+# Where a CPU wheel of torch lies on disk, pip takes it instead of a CUDA build.
+WHEELS      := $(wildcard /opt/wheels)
+export PATH := $(abspath $(BIN)):$(PATH)
+
+.PHONY: help venv html html-noplot test lint pytest serve bench clean browser-deps
+
+help:
+	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
+	@echo "make html-noplot  render every page without executing anything (fast)"
+	@echo "make test         lint, build the site, run the tests (what CI runs)"
+	@echo "make lint         lintrunner --all-files"
+	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
+	@echo "make bench        the checkpoint-stall benchmark at full size"
+	@echo "make clean        remove build output"
+	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
+
+venv: $(READY)
+
+$(READY): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		$(if $(WHEELS),--find-links $(WHEELS)) -r requirements.txt
+	touch $@
+
+html: $(READY)
+	$(SPHINXBUILD) -b html $(SPHINXOPTS) . $(BUILD)/html
+
+html-noplot: $(READY)
+	$(SPHINXBUILD) -b html $(SPHINXOPTS) -D plot_gallery=0 . $(BUILD)/html
+
+lint: $(READY)
+	$(BIN)/lintrunner init >/dev/null
+	$(BIN)/lintrunner --all-files --force-color
+
+# The browser tests drive Debian's chromium; install it where it is missing.
+browser-deps:
+	@command -v chromium >/dev/null || { \
+		echo "installing chromium (apt-get)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+pytest: $(READY) browser-deps
+	$(PY) -m pytest
+
+test: lint html pytest
+
+serve: $(READY)
+	@test -f $(BUILD)/html/index.html || $(MAKE) html
+	@echo "Serving $(BUILD)/html at http://$(HOST):$(PORT)/  (Ctrl-C to stop)"
+	$(PY) -m http.server --bind $(HOST) --directory $(BUILD)/html $(PORT)
+
+bench: $(READY)
+	DCP_RECIPES_BENCH=1 $(PY) recipes_source/checkpoint_stall_benchmark.py
+
+clean:
+	rm -rf $(BUILD) recipes

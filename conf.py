@@ -1,0 +1,82 @@
+"""Sphinx configuration for DCP Recipes: configuration only; the logic lives in dcp_site.py."""
+
+import os
+import sys
+
+import pytorch_sphinx_theme2
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+project = "DCP Recipes"
+author = "DCP Recipes contributors"
+copyright = "2026, DCP Recipes contributors"
+
+extensions = [
+    "sphinx_gallery.gen_gallery",
+    "myst_parser",
+    "sphinx_design",
+    "sphinx_copybutton",
+    "dcp_site",
+]
+
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+root_doc = "index"
+exclude_patterns = [
+    "_build",
+    ".venv",
+    "README.md",
+    "recipes_source",
+    "recipes/*.ipynb",
+    "recipes/*.py",
+    "recipes/*.zip",
+    "recipes/*.md5",
+    "tests",
+    ".github",
+    ".pytest_cache",
+]
+
+sphinx_gallery_conf = {
+    "examples_dirs": "recipes_source",
+    "gallery_dirs": "recipes",
+    # Execute every recipe; GALLERY_PATTERN=<regex> narrows it (the rest still render).
+    "filename_pattern": os.environ.get("GALLERY_PATTERN", r"/recipes_source/"),
+    # The launcher is the gallery's scaffolding, not a recipe.
+    "ignore_pattern": r"rank_launcher\.py|__init__\.py",
+    "within_subsection_order": "dcp_site.RecipeOrder",
+    "reset_modules": ("matplotlib", "dcp_site.forget_last_run"),
+    "download_all_examples": False,
+    # Cells show what they print; a bare last expression is not echoed.
+    "capture_repr": (),
+    "remove_config_comments": True,
+    "show_memory": False,
+    "promote_jupyter_magic": False,
+    "default_thumb_file": "_static/dcp-thumb.png",
+}
+
+html_theme = "pytorch_sphinx_theme2"
+html_theme_path = [pytorch_sphinx_theme2.get_html_theme_path()]
+templates_path = [os.path.join(pytorch_sphinx_theme2.get_html_theme_path(), "templates")]
+html_title = "DCP Recipes"
+html_static_path = ["_static"]
+html_css_files = ["dcp-recipes.css"]
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_lf_header": False,
+    "show_lf_footer": False,
+    "show_pytorch_org_link": False,
+    "use_edit_page_button": False,
+    "secondary_sidebar_items": ["page-toc"],
+    "article_header_end": [],
+    "article_footer_items": [],
+    "analytics_id": "",
+}
+html_context = {"theme_variables": pytorch_sphinx_theme2.get_theme_variables()}
+
+# Copy only code: prompts and captured output are excluded from the copy button.
+copybutton_selector = "div:not(.sphx-glr-script-out) > div.highlight pre"
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_exclude = ".linenos, .gp, .go"
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3

@@ -1,0 +1,402 @@
+"""Run a recipe's per-rank function on N ranks, wherever the recipe runs.
+
+This is the gallery's scaffolding, not part of any recipe: it starts ranks so
+that the DCP code on each page can stay exactly what you would write in a
+training script. It works in three places:
+
+* inside Sphinx-Gallery and as ``python recipes_source/<recipe>.py``: the
+  launcher forks ``DCP_RECIPES_WORLD_SIZE`` ranks (default 2), hosts their
+  rendezvous store in the parent on a free port, captures each rank's output
+  and prints it, labelled by rank, under the cell that launched it;
+* under ``torchrun`` (one or several agents): it uses the ranks torchrun made
+  and starts nothing itself.
+
+CPU ranks use gloo. With GPUs each rank gets one device and the process group
+``"cpu:gloo,cuda:nccl"`` (``dcp.async_save`` needs the CPU backend). The parent
+never initialises CUDA, so forking stays safe.
+
+A rank that raises fails the launch at once, and the error names the recipe,
+the rank, its traceback and its output. Every launch has a deadline
+(``DCP_RECIPES_TIMEOUT`` seconds, default 300), so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import hashlib
+import io
+import json
+import os
+import pickle
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE_ENV = "DCP_RECIPES_WORLD_SIZE"
+TIMEOUT_ENV = "DCP_RECIPES_TIMEOUT"
+STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # set by the site build: where run stamps go
+
+DEFAULT_WORLD_SIZE = 2
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, crashed or ran past the launch deadline."""
+
+
+# --------------------------------------------------------------------------
+# What the machine has
+# --------------------------------------------------------------------------
+
+
+def world_size() -> int:
+    """The number of ranks a launch uses: torchrun's, or ``DCP_RECIPES_WORLD_SIZE``."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    raw = os.environ.get(WORLD_SIZE_ENV, str(DEFAULT_WORLD_SIZE))
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{WORLD_SIZE_ENV} must be a positive integer, got {raw!r}")
+    return size
+
+
+def use_gpus() -> bool:
+    """True when ranks should run on GPUs; never initialises CUDA."""
+    return torch.cuda.is_available()
+
+
+def backend() -> str:
+    return "cpu:gloo,cuda:nccl" if use_gpus() else "gloo"
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_PORT" in os.environ
+    )
+
+
+def _timeout_s(timeout: float | None) -> float:
+    if timeout is not None:
+        return float(timeout)
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def _recipe_name() -> str:
+    # Sphinx-Gallery sets sys.argv[0] to the example's path; so does python/torchrun.
+    return Path(sys.argv[0]).stem or "<recipe>"
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _device_description() -> str:
+    """Called on a rank (never in the launching parent): may touch CUDA."""
+    if use_gpus():
+        return f"{torch.cuda.get_device_name()} (GPU)"
+    return f"{_cpu_name()}, {os.cpu_count()} cores (CPU)"
+
+
+def _write_stamp(device: str, ranks: int) -> None:
+    stamp_dir = os.environ.get(STAMP_DIR_ENV)
+    if not stamp_dir:
+        return
+    stamp = {
+        "recipe": _recipe_name(),
+        "torch": torch.__version__,
+        "device": device,
+        "backend": backend(),
+        "world_size": ranks,
+        "launcher": "torchrun" if under_torchrun() else "fork",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    os.makedirs(stamp_dir, exist_ok=True)
+    path = Path(stamp_dir) / f"{stamp['recipe']}.json"
+    path.write_text(json.dumps(stamp, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------
+# Shared scratch space
+# --------------------------------------------------------------------------
+
+
+def shared_tempdir(prefix: str = "dcp-recipe-") -> str:
+    """A fresh temporary directory whose path is the same on every rank.
+
+    Forked ranks inherit the parent's path. Under torchrun every rank derives
+    the same name from the rendezvous (address, port and run id), so agents on
+    one machine agree without talking. The directory is removed at exit if the
+    recipe has not removed it itself.
+    """
+    if under_torchrun():
+        key = ":".join(
+            os.environ.get(k, "")
+            for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE")
+        )
+        digest = hashlib.sha1(f"{key}:{prefix}".encode()).hexdigest()[:12]
+        path = os.path.join(tempfile.gettempdir(), f"{prefix}{digest}")
+        os.makedirs(path, exist_ok=True)
+    else:
+        path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+# --------------------------------------------------------------------------
+# Output capture
+# --------------------------------------------------------------------------
+
+
+def _label(rank: int, text: str) -> str:
+    lines = text.rstrip("\n").splitlines()
+    return "".join(f"[rank{rank}] {line}\n" for line in lines)
+
+
+class _RankLabeller(io.TextIOBase):
+    """A stream that prefixes every line with the rank (used under torchrun)."""
+
+    def __init__(self, rank: int, target: Any):
+        self._rank, self._target, self._pending = rank, target, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self._target.write(f"[rank{self._rank}] {line}\n")
+        self._target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.write("\n")
+
+
+# --------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------
+
+
+def run_on_ranks(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on every rank inside an initialised process group.
+
+    Returns the list of per-rank return values (rank order). Output printed
+    by each rank is printed here, labelled by rank, once the ranks finish.
+    """
+    if under_torchrun():
+        return _run_under_torchrun(fn, args)
+    return _run_forked(fn, args, world_size(), _timeout_s(timeout))
+
+
+def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a single-process step (no process group needed) exactly once.
+
+    In the gallery and as a script it runs right here; under torchrun rank 0
+    runs it while the other ranks wait, so files are written once.
+    """
+    if not under_torchrun():
+        return fn(*args)
+    _ensure_torchrun_group()
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        with _labelled_output(0):
+            result[0] = fn(*args)
+    dist.barrier()
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float) -> list[Any]:
+    recipe = _recipe_name()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    workdir = tempfile.mkdtemp(prefix="dcp-recipe-ranks-")
+    try:
+        context = mp.start_processes(
+            _rank_entry,
+            args=(fn, args, ranks, store.port, workdir, timeout),
+            nprocs=ranks,
+            join=False,
+            start_method="fork",
+        )
+        failure = _wait_for_ranks(context, timeout)
+        outputs = [_read(Path(workdir, f"rank{r}.log")) for r in range(ranks)]
+        if failure is not None:
+            raise RankFailedError(_describe_failure(recipe, failure, outputs, workdir))
+        for rank, text in enumerate(outputs):
+            sys.stdout.write(_label(rank, text))
+        results = [
+            pickle.loads(Path(workdir, f"rank{r}.result").read_bytes()) for r in range(ranks)
+        ]
+        device = results[0][1]
+        _write_stamp(device, ranks)
+        return [value for value, _ in results]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        del store
+
+
+def _wait_for_ranks(context: Any, timeout: float) -> tuple[int, str] | None:
+    """Join the ranks; return (rank, cause) of the first failure, or None."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if context.join(timeout=0.5):
+                return None
+        except mp.ProcessExitedException as exc:
+            return exc.error_index, str(exc)
+        except mp.ProcessRaisedException as exc:  # pragma: no cover - ranks never raise out
+            return exc.error_index, str(exc)
+        if time.monotonic() > deadline:
+            alive = [i for i, p in enumerate(context.processes) if p.is_alive()]
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join()
+            return alive[0] if alive else 0, (
+                f"timed out after {timeout:.0f} s ({TIMEOUT_ENV}); ranks still running: {alive}"
+            )
+
+
+def _describe_failure(
+    recipe: str, failure: tuple[int, str], outputs: list[str], workdir: str
+) -> str:
+    rank, cause = failure
+    # The rank that raised first is the cause; others were stopped because of it.
+    raised = sorted(
+        (float(Path(workdir, f"rank{r}.failed").read_text() or 0), r)
+        for r in range(len(outputs))
+        if Path(workdir, f"rank{r}.failed").exists()
+    )
+    if raised:
+        rank = raised[0][1]
+        cause = f"rank {rank} raised"
+    parts = [f"recipe {recipe!r}: rank {rank} failed: {cause}"]
+    parts.append(f"----- output and traceback of rank {rank} -----")
+    parts.append(outputs[rank].rstrip() or "(no output)")
+    for other, text in enumerate(outputs):
+        if other != rank and text.strip():
+            parts.append(f"----- output of rank {other} -----")
+            parts.append(text.rstrip())
+    return "\n".join(parts)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _rank_entry(
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    ranks: int,
+    port: int,
+    workdir: str,
+    timeout: float,
+) -> None:
+    """Body of one forked rank. Never returns: it leaves with os._exit."""
+    log = open(Path(workdir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    # The parent may have used OpenMP before forking; a forked child that
+    # starts its own thread pool can hang in its first matmul.
+    torch.set_num_threads(1)
+    try:
+        if use_gpus():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            backend(),
+            store=store,
+            rank=rank,
+            world_size=ranks,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        value = fn(*args)
+        # Everyone reaches here before teardown: tearing gloo down while a
+        # peer is still sending aborts the process now and then.
+        dist.barrier()
+        dist.destroy_process_group()
+        device = _device_description() if rank == 0 else ""
+        Path(workdir, f"rank{rank}.result").write_bytes(pickle.dumps((value, device)))
+        code = 0
+    except BaseException:
+        Path(workdir, f"rank{rank}.failed").write_text(repr(time.time()))
+        traceback.print_exc()
+        code = 1
+    log.flush()
+    os._exit(code)
+
+
+# --------------------------------------------------------------------------
+# torchrun
+# --------------------------------------------------------------------------
+
+
+def _ensure_torchrun_group() -> None:
+    if dist.is_initialized():
+        return
+    if use_gpus():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=_timeout_s(None)))
+    atexit.register(_destroy_torchrun_group)
+
+
+def _destroy_torchrun_group() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _labelled_output(rank: int):
+    labeller = _RankLabeller(rank, sys.stdout)
+    with contextlib.redirect_stdout(labeller):
+        yield
+    labeller.flush()
+
+
+def _run_under_torchrun(fn: Callable[..., Any], args: tuple) -> list[Any]:
+    _ensure_torchrun_group()
+    rank = dist.get_rank()
+    try:
+        with _labelled_output(rank):
+            value = fn(*args)
+    except BaseException:
+        # Exit now, without the teardown barrier: torchrun sees this rank
+        # fail and stops the others, instead of them waiting for it.
+        print(f"recipe {_recipe_name()!r}: rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if rank == 0:
+        _write_stamp(_device_description(), dist.get_world_size())
+    return values

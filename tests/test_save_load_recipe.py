@@ -1,0 +1,150 @@
+"""Recipe 1 (save and load) and the rank launcher it runs on."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from recipe_runner import RECIPES, ROOT, assert_ok
+
+RECIPE = "save_load_recipe"
+
+# Every equality check the recipe makes, with the line it prints when it passes.
+# Under torchrun, single-process steps run on rank 0, so their lines carry its label.
+R0 = r"(?:\[rank0\] )?"
+SHARDED_CHECK = re.compile(r"\[rank0\] compared (\d+) tensors with what was saved: 0 differ")
+SINGLE_PROCESS_CHECKS = [
+    re.compile(rf"{R0}unsharded model: net1.weight \(64, 16\), compared (\d+) tensors: 0 differ"),
+    re.compile(
+        rf"{R0}checkpoint.pt: [\d,]+ bytes, keys \['model', 'optim'\]\n{R0}"
+        r"compared (\d+) tensors: 0 differ"
+    ),
+    re.compile(rf"dcp_to_torch \.\.\. checkpoint-cli.pt\n{R0}compared (\d+) tensors: 0 differ"),
+]
+CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
+
+
+def checkpoint_files_in_repo() -> list[str]:
+    """Checkpoint files anywhere in the working tree (the virtualenv aside)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in (".venv", ".git")]
+        found += [os.path.join(dirpath, f) for f in filenames if CHECKPOINT_FILE.search(f)]
+    return found
+
+
+def assert_recipe_checks_passed(output: str, checks_per_line: int = 1) -> None:
+    # The recipe asserts its own equality checks; here we make sure they ran.
+    sharded = SHARDED_CHECK.findall(output)
+    assert len(sharded) == 2 * checks_per_line, output[-4000:]
+    assert all(int(n) > 0 for n in sharded)
+    for check in SINGLE_PROCESS_CHECKS:
+        found = check.findall(output)
+        assert len(found) == checks_per_line, f"{check.pattern} not in\n{output[-4000:]}"
+        assert int(found[0]) == int(sharded[0])
+    assert "removed " in output and ": True" in output
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_recipe_with_gallery_launcher(recipe_runner, world_size):
+    recipes_before = sorted(os.listdir(RECIPES))
+    output = assert_ok(recipe_runner.python(RECIPE, world_size=world_size))
+    assert_recipe_checks_passed(output)
+    shards = re.findall(r"^__(\d+)_0\.distcp", output, re.MULTILINE)
+    assert len(shards) == world_size, "one .distcp file per rank"
+    assert f"[rank{world_size - 1}] step 3: loss" in output
+    assert recipe_runner.leftovers() == []
+    assert sorted(os.listdir(RECIPES)) == recipes_before
+    assert checkpoint_files_in_repo() == []
+
+
+def test_recipe_under_torchrun(recipe_runner):
+    output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
+    # Single-process steps run once (on rank 0); the rest on both ranks.
+    assert_recipe_checks_passed(output)
+    assert "[rank1] step 3: loss" in output
+    assert recipe_runner.leftovers() == []
+
+
+def test_recipe_under_two_torchrun_agents(recipe_runner):
+    node0, node1 = recipe_runner.torchrun_two_nodes(RECIPE)
+    output0, output1 = assert_ok(node0), assert_ok(node1)
+    assert_recipe_checks_passed(output0)
+    assert "[rank1] step 3: loss" in output1
+    assert recipe_runner.leftovers() == []
+
+
+def write_script(tmp_path, body: str):
+    script = tmp_path / "broken_recipe.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(RECIPES)!r})\n"
+        "import torch.distributed as dist\n"
+        "from rank_launcher import run_on_ranks\n" + textwrap.dedent(body)
+    )
+    return script
+
+
+def run_script(recipe_runner, script, **env):
+    return subprocess.run(
+        [sys.executable, str(script)],
+        env=recipe_runner.env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner, tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        def train(step):
+            print(f"rank {dist.get_rank()} reached step {step}")
+            if dist.get_rank() == 1:
+                raise ValueError("loss is NaN on purpose")
+            dist.barrier()  # rank 0 waits here for a peer that is gone
+
+        run_on_ranks(train, 7)
+        """,
+    )
+    result = run_script(recipe_runner, script, DCP_RECIPES_WORLD_SIZE="2")
+    assert result.returncode != 0
+    error = result.stderr
+    assert "RankFailedError: recipe 'broken_recipe': rank 1 failed: rank 1 raised" in error
+    assert "ValueError: loss is NaN on purpose" in error
+    assert "rank 1 reached step 7" in error, "the failing rank's output is in the error"
+    assert "timed out" not in error, "a raising rank must not wait for the deadline"
+    assert recipe_runner.leftovers() == []
+
+
+def test_a_hanging_rank_fails_at_the_deadline(recipe_runner, tmp_path):
+    script = write_script(
+        tmp_path,
+        """
+        import time
+
+        def train():
+            print("rank", dist.get_rank(), "started")
+            if dist.get_rank() == 0:
+                time.sleep(600)
+
+        run_on_ranks(train)
+        """,
+    )
+    result = run_script(recipe_runner, script, DCP_RECIPES_WORLD_SIZE="2", DCP_RECIPES_TIMEOUT="8")
+    assert result.returncode != 0
+    assert "rank 0 failed: timed out after 8 s" in result.stderr
+    assert "rank 0 started" in result.stderr
+    assert recipe_runner.leftovers() == []
+
+
+def test_a_bad_world_size_is_a_clear_error(recipe_runner):
+    result = recipe_runner.python(RECIPE, world_size=0)
+    assert result.returncode != 0
+    assert "DCP_RECIPES_WORLD_SIZE must be a positive integer, got '0'" in result.stderr
+    assert recipe_runner.leftovers() == []

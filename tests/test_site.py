@@ -1,0 +1,249 @@
+"""The site as a whole: the executed build in _build/html, its pages, and the build itself."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from bs4 import BeautifulSoup
+from recipe_runner import RECIPES, ROOT
+from sphinx_gallery.py_source_parser import split_code_and_text_blocks
+
+HTML = ROOT / "_build" / "html"
+RECIPE_SOURCES = sorted(p for p in RECIPES.glob("*.py") if p.name != "rank_launcher.py")
+RECIPE_NAMES = [p.stem for p in RECIPE_SOURCES]
+
+# Calls that print when a cell runs them at top level: the launcher prints
+# every rank's output under the cell that launched it.
+PRINTING_CALLS = {"print", "run_on_ranks", "run_on_one_process"}
+# What an unintended problem looks like in captured output.
+TRACEBACK = "Traceback (most recent call last)"
+WARNING_LINE = re.compile(r"\S+\.py:\d+: \w*Warning: ")
+TROUBLESHOOTING_SECTIONS = [
+    "A CPU backend must be enabled",
+    "Training hangs while a save is in flight",
+    "The last checkpoint has no",
+    "The checkpoint holds weights from after the save",
+    "Host memory grows with every save",
+    "A stager that is never closed",
+    "The checkpoint directory differs between ranks",
+]
+
+
+@pytest.fixture(scope="session")
+def site() -> Path:
+    """The executed build; `make test` builds it before pytest runs."""
+    if not (HTML / "index.html").exists():
+        subprocess.run(["make", "html"], cwd=ROOT, check=True)
+    return HTML
+
+
+def soup(path: Path) -> BeautifulSoup:
+    return BeautifulSoup(path.read_text(), "html.parser")
+
+
+def page(site: Path, name: str) -> BeautifulSoup:
+    path = site / "recipes" / f"{name}.html"
+    assert path.exists(), f"no page for recipe {name}"
+    return soup(path)
+
+
+def cell_prints(code: str) -> bool:
+    """True if a code cell itself (not a function it defines) calls print or a launcher."""
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) in PRINTING_CALLS:
+                return True
+    return False
+
+
+def code_cells(source: Path) -> list[str]:
+    _, blocks, _ = split_code_and_text_blocks(str(source))
+    return [block.content for block in blocks if block.type == "code" and block.content.strip()]
+
+
+def blocks_in_order(doc: BeautifulSoup) -> list[tuple[str, str]]:
+    """("code" | "out" | "figure", text) for the page's cells, in page order."""
+    selector = "div.highlight-Python, div.sphx-glr-script-out, img.sphx-glr-single-img"
+    kinds = []
+    for element in doc.select(selector):
+        classes = element.get("class", [])
+        if "highlight-Python" in classes:
+            kinds.append(("code", element.get_text()))
+        elif "sphx-glr-script-out" in classes:
+            kinds.append(("out", element.get_text()))
+        else:
+            kinds.append(("figure", element.get("src", "")))
+    return kinds
+
+
+def test_every_recipe_has_a_page(site):
+    assert RECIPE_NAMES, "no recipes found"
+    for name in RECIPE_NAMES:
+        page(site, name)
+    assert (site / "index.html").exists()
+    assert (site / "troubleshooting.html").exists()
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_each_printing_cell_has_its_output_under_it(site, name):
+    cells = code_cells(RECIPES / f"{name}.py")
+    blocks = blocks_in_order(page(site, name))
+    code_positions = [i for i, (kind, _) in enumerate(blocks) if kind == "code"]
+    assert len(code_positions) == len(cells), "every code cell is on the page"
+    for cell, position in zip(cells, code_positions, strict=True):
+        following = blocks[position + 1 : position + 3]
+        outputs = [text for kind, text in following if kind == "out"]
+        first_line = cell.strip().splitlines()[0]
+        if cell_prints(cell):
+            assert outputs and outputs[0].strip(), f"{name}: no output under cell {first_line!r}"
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_captured_output_shows_no_traceback_or_stray_warning(site, name):
+    doc = page(site, name)
+    for out in doc.select("div.sphx-glr-script-out"):
+        text = out.get_text()
+        assert TRACEBACK not in text, f"{name}: a traceback in the output:\n{text[-2000:]}"
+        assert not WARNING_LINE.search(text), f"{name}: a warning in the output:\n{text[-2000:]}"
+        assert "terminate called" not in text, f"{name}: a rank aborted:\n{text[-2000:]}"
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_page_says_where_it_was_last_executed(site, name):
+    stamp = page(site, name).select_one("div.dcp-run-stamp")
+    assert stamp is not None, f"{name}: no run stamp"
+    text = stamp.get_text(" ", strip=True)
+    assert text.startswith("Last executed"), f"{name} was not executed: {text}"
+    assert f"torch {torch.__version__}" in text
+    assert re.search(r"backend (gloo|cpu:gloo,cuda:nccl)", text)
+    assert re.search(r"world size \d+", text)
+    assert re.search(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", text)
+    assert "(CPU)" in text or "(GPU)" in text
+
+
+def test_versionadded_renders_where_used(site):
+    used = {}
+    for source in RECIPE_SOURCES:
+        count = source.read_text().count(".. versionadded::")
+        if count:
+            used[source.stem] = count
+    assert "default_stager_recipe" in used, "DefaultStager is new in 2.9: the page says so"
+    for name, count in used.items():
+        rendered = page(site, name).select("div.versionadded")
+        assert len(rendered) == count, f"{name}: {count} versionadded, {len(rendered)} rendered"
+        assert "2.9" in rendered[0].get_text()
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_script_and_notebook_downloads_exist(site, name):
+    links = [a["href"] for a in page(site, name).select("a.download")]
+    for suffix in (".py", ".ipynb"):
+        matching = [href for href in links if href.endswith(f"{name}{suffix}")]
+        assert matching, f"{name}: no {suffix} download link"
+        target = (site / "recipes" / matching[0]).resolve()
+        assert target.exists() and target.stat().st_size > 0, target
+
+
+def test_landing_page_has_a_card_per_recipe(site):
+    doc = soup(site / "index.html")
+    cards = doc.select("div.sd-card")
+    linked = {a["href"].split("#")[0] for card in cards for a in card.select("a[href]")}
+    for name in RECIPE_NAMES:
+        assert f"recipes/{name}.html" in linked, f"no card for {name}"
+    for card in cards:
+        assert card.select_one(".sd-card-footer"), "each card says what the recipe needs"
+
+
+def test_troubleshooting_page_covers_every_known_failure(site):
+    doc = soup(site / "troubleshooting.html")
+    headings = [h.get_text(" ", strip=True) for h in doc.select("section h2")]
+    for expected in TROUBLESHOOTING_SECTIONS:
+        assert any(expected in h for h in headings), f"missing section {expected!r}: {headings}"
+    text = doc.get_text()
+    assert text.count("Symptom.") >= len(TROUBLESHOOTING_SECTIONS)
+    assert text.count("Fix.") >= len(TROUBLESHOOTING_SECTIONS)
+
+
+def test_copy_buttons_copy_code_not_output(site):
+    conf = (ROOT / "conf.py").read_text()
+    assert 'copybutton_selector = "div:not(.sphx-glr-script-out) > div.highlight pre"' in conf
+    assert (site / "_static" / "copybutton.js").exists()
+
+
+def test_workflows_parse_and_run_make_test():
+    workflows = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
+    assert workflows, "no GitHub workflow"
+    commands = []
+    for path in workflows:
+        workflow = yaml.safe_load(path.read_text())
+        assert workflow.get("jobs"), f"{path.name}: no jobs"
+        for job in workflow["jobs"].values():
+            assert job.get("runs-on") and job.get("steps"), path.name
+            commands += [step.get("run", "") for step in job["steps"]]
+    assert any("make test" in c for c in commands), "CI runs make test"
+    assert any("make html" in c for c in commands), "a job builds the site"
+
+
+def copy_site(tmp_path: Path) -> Path:
+    """The site's sources, without build output, in a temporary folder."""
+    copy = tmp_path / "site"
+    ignore = shutil.ignore_patterns(
+        ".venv", "_build", "recipes", "tests", ".git", "__pycache__", ".*cache"
+    )
+    shutil.copytree(ROOT, copy, ignore=ignore)
+    return copy
+
+
+def sphinx_build(source: Path, *options: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", *options]
+        + [str(source), str(source / "_build" / "html")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_raising_recipe_fails_the_build_with_its_rank_traceback(tmp_path):
+    copy = copy_site(tmp_path)
+    (copy / "recipes_source" / "broken_recipe.py").write_text(
+        '"""\nA broken recipe\n===============\n\nIt raises on purpose.\n"""\n\n'
+        "import torch.distributed as dist\n"
+        "from rank_launcher import run_on_ranks\n\n\n"
+        "def train():\n"
+        '    print("about to fail on rank", dist.get_rank())\n'
+        "    if dist.get_rank() == 1:\n"
+        '        raise RuntimeError("checkpoint directory vanished")\n\n\n'
+        "run_on_ranks(train)\n"
+    )
+    result = sphinx_build(copy, GALLERY_PATTERN=r"broken_recipe\.py", TMPDIR=str(tmp_path))
+    log = result.stdout + result.stderr
+    assert result.returncode != 0, log[-3000:]
+    assert "broken_recipe" in log
+    assert "recipe 'broken_recipe': rank 1 failed: rank 1 raised" in log
+    assert "RuntimeError: checkpoint directory vanished" in log
+    assert "about to fail on rank 1" in log, "the failing rank's output is in the error"
+
+
+def test_noplot_build_renders_every_page_without_running_it(tmp_path):
+    copy = copy_site(tmp_path)
+    result = sphinx_build(copy, "-D", "plot_gallery=0")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    for name in RECIPE_NAMES:
+        doc = soup(copy / "_build" / "html" / "recipes" / f"{name}.html")
+        assert doc.select("div.highlight-Python"), f"{name}: no code rendered"
+        assert not doc.select("div.sphx-glr-script-out"), f"{name}: output without running"
+        stamp = doc.select_one("div.dcp-run-stamp").get_text(" ", strip=True)
+        assert stamp.startswith("Not executed in this build")
