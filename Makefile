@@ -45,11 +45,16 @@ lint: $(READY)
 	$(BIN)/lintrunner init >/dev/null
 	$(BIN)/lintrunner --all-files --force-color
 
-# The browser tests drive Debian's chromium; install it where it is missing.
+# The browser tests drive Debian's chromium (through Playwright's pip wheel, which downloads no
+# browser); install it where it is missing, as root or with sudo. Its recommends (printing
+# tools, upower, notification-daemon, mesa) pull in dozens of desktop packages a headless
+# browser never uses; fonts-liberation, one of them, is kept: the pages ask for Arial/Helvetica.
 browser-deps:
 	@command -v chromium >/dev/null || { \
 		echo "installing chromium (apt-get)"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install \
+			-y -qq --no-install-recommends chromium fonts-liberation >/dev/null; }
 
 pytest: $(READY) browser-deps
 	$(PY) -m pytest
@@ -62,7 +67,7 @@ serve: $(READY)
 	$(PY) -m http.server --bind $(HOST) --directory $(BUILD)/html $(PORT)
 
 bench: $(READY)
-	DCP_RECIPES_BENCH=1 $(PY) recipes_source/checkpoint_stall_benchmark.py
+	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
 
 clean:
 	rm -rf $(BUILD) recipes

@@ -31,6 +31,9 @@ exclude_patterns = [
     "recipes/*.zip",
     "recipes/*.md5",
     "tests",
+    "_templates",
+    "**/sg_execution_times.rst",
+    "sg_execution_times.rst",
     ".github",
     ".pytest_cache",
 ]
@@ -55,7 +58,14 @@ sphinx_gallery_conf = {
 
 html_theme = "pytorch_sphinx_theme2"
 html_theme_path = [pytorch_sphinx_theme2.get_html_theme_path()]
-templates_path = [os.path.join(pytorch_sphinx_theme2.get_html_theme_path(), "templates")]
+# _templates first: our layout strips the theme's third-party requests (see dcp_site.py).
+templates_path = [
+    "_templates",
+    os.path.join(pytorch_sphinx_theme2.get_html_theme_path(), "templates"),
+]
+html_favicon = os.path.join(
+    pytorch_sphinx_theme2.get_html_theme_path(), "static", "img", "pytorch-logo-flame.png"
+)
 html_title = "DCP Recipes"
 html_static_path = ["_static"]
 html_css_files = ["dcp-recipes.css"]
@@ -70,7 +80,10 @@ html_theme_options = {
     "article_footer_items": [],
     "analytics_id": "",
 }
-html_context = {"theme_variables": pytorch_sphinx_theme2.get_theme_variables()}
+html_context = {
+    "theme_variables": pytorch_sphinx_theme2.get_theme_variables(),
+    "default_mode": "light",
+}
 
 # Copy only code: prompts and captured output are excluded from the copy button.
 copybutton_selector = "div:not(.sphx-glr-script-out) > div.highlight pre"

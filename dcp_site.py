@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
+from markupsafe import Markup
 from sphinx.application import Sphinx
 from sphinx.util import logging
 
@@ -123,7 +125,45 @@ def _export_stamp_dir(app: Sphinx, config) -> None:
     os.environ[STAMP_DIR_ENV] = str(stamp_dir(app.confdir))
 
 
+# The theme's layout loads scripts, fonts and trackers from other hosts; offline
+# (and for privacy) they fail with console errors. jQuery is served locally.
+_THIRD_PARTY = [
+    re.compile(r"<!-- (Google Tag Manager( \(noscript\))?) -->.*?<!-- End \1 -->", re.S),
+    re.compile(r"<!-- Facebook Pixel Code -->.*?<!-- End Facebook Pixel Code -->", re.S),
+    re.compile(r'<link[^>]*href="https://fonts\.(googleapis|gstatic)\.com[^"]*"[^>]*>'),
+    re.compile(r'<link[^>]*href="[^"]*_static/webfonts/all\.min\.css"[^>]*>'),
+    re.compile(
+        r'<script[^>]*src="https://(cdnjs\.cloudflare\.com|cse\.google\.com)/[^"]*"[^>]*></script>'
+    ),
+]
+_CDN_JQUERY = '<script src="https://code.jquery.com/jquery-3.7.1.min.js"></script>'
+
+
+def offline_head(html: str, local_jquery: str) -> Markup:
+    """Template filter: the theme's head without requests to other hosts."""
+    html = str(html).replace(_CDN_JQUERY, f'<script src="{local_jquery}"></script>')
+    for pattern in _THIRD_PARTY:
+        html = pattern.sub("", html)
+    return Markup(html)
+
+
+def _add_template_filters(app: Sphinx) -> None:
+    if hasattr(app.builder, "templates"):
+        app.builder.templates.environment.filters["offline_head"] = offline_head
+
+
+def _copy_theme_webfonts(app: Sphinx, exception: Exception | None) -> None:
+    """The theme's CSS wants _static/webfonts/; pydata-sphinx-theme ships the files."""
+    if exception is not None or app.builder.format != "html":
+        return
+    static = Path(app.outdir, "_static")
+    for vendored in static.glob("vendor/fontawesome/*/webfonts"):
+        shutil.copytree(vendored, static / "webfonts", dirs_exist_ok=True)
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
+    app.connect("builder-inited", _add_template_filters)
+    app.connect("build-finished", _copy_theme_webfonts)
     app.connect("source-read", insert_run_stamp)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

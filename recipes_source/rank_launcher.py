@@ -25,9 +25,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import hashlib
 import io
 import json
+import multiprocessing.util
 import os
 import pickle
 import platform
@@ -226,6 +228,10 @@ def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float) -> list[Any]:
     recipe = _recipe_name()
+    # fully_shard and optimizers import torch._dynamo lazily (~2 s); import it
+    # once here so that every forked rank inherits it instead of paying again.
+    import torch._dynamo  # noqa: F401
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     workdir = tempfile.mkdtemp(prefix="dcp-recipe-ranks-")
     try:
@@ -320,6 +326,9 @@ def _rank_entry(
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    # The rank inherits the parent's objects (all of Sphinx in the gallery);
+    # keep the garbage collector from walking them during timed work.
+    gc.freeze()
     # The parent may have used OpenMP before forking; a forked child that
     # starts its own thread pool can hang in its first matmul.
     torch.set_num_threads(1)
@@ -349,6 +358,10 @@ def _rank_entry(
         traceback.print_exc()
         code = 1
     log.flush()
+    # os._exit skips multiprocessing's exit handling: run it, so that helper
+    # processes a recipe started (DCP's checkpoint process) are stopped and
+    # their pymp-* folders removed.
+    multiprocessing.util._exit_function()
     os._exit(code)
 
 

@@ -68,7 +68,7 @@ def cell_prints(code: str) -> bool:
 
 
 def code_cells(source: Path) -> list[str]:
-    _, blocks, _ = split_code_and_text_blocks(str(source))
+    _, blocks = split_code_and_text_blocks(str(source))[:2]
     return [block.content for block in blocks if block.type == "code" and block.content.strip()]
 
 
@@ -247,3 +247,21 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
         assert not doc.select("div.sphx-glr-script-out"), f"{name}: output without running"
         stamp = doc.select_one("div.dcp-run-stamp").get_text(" ", strip=True)
         assert stamp.startswith("Not executed in this build")
+
+
+@pytest.mark.browser
+def test_pages_in_a_browser(site):
+    """Headless chromium: every page loads offline, with code, output and copy buttons."""
+    from site_browser import check_pages
+
+    pages = ["index.html"] + [f"recipes/{name}.html" for name in RECIPE_NAMES]
+    reports = check_pages(site, pages, ROOT / "_build" / "screenshots")
+    for report in reports:
+        assert report.status == 200 and report.title and report.h1, report.summary()
+        assert not report.errors, report.summary()
+        assert report.has_code and report.has_copy_button and report.copies_ok, report.summary()
+        assert report.output_blocks_with_copy_button == 0, report.summary()
+        assert Path(report.screenshot).exists() or (ROOT / "_build" / report.screenshot).exists()
+    for report in reports[1:]:
+        assert report.has_output, report.summary()
+        assert report.run_stamp.startswith("Last executed"), report.summary()
