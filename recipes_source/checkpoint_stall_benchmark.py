@@ -413,7 +413,8 @@ class ProcessWriter(DefaultStagerOverlap):
                 process.terminate()  # the writer process
                 process.join()
             resource_sharer.stop()  # served the shared-memory handles to the writer
-            shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
+            # The launcher runs multiprocessing's exit handling when the rank
+            # leaves, which removes its temporary directory.
 
 
 STRATEGIES = {
