@@ -89,6 +89,14 @@ class RecipeRunner:
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
         return results
 
+    def script(self, path, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str):
+        """``python <path>``: a test's own script that uses the launcher."""
+        return self._run(
+            [sys.executable, str(path)],
+            self.env(DCP_RECIPES_WORLD_SIZE=str(world_size), **env),
+            timeout,
+        )
+
     def _run(self, cmd: list[str], env: dict[str, str], timeout: float):
         return subprocess.run(
             cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout

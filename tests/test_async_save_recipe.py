@@ -7,8 +7,6 @@ import builtins
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 
 import psutil
@@ -247,14 +245,7 @@ def test_a_save_whose_group_is_destroyed_before_its_upload_finishes_is_incomplet
         + "\n"
         + TORN_SAVE
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=recipe_runner.env(DCP_RECIPES_WORLD_SIZE="2"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = recipe_runner.script(script, timeout=180)
     output = assert_ok(result)
     report = json.loads(re.search(r"^REPORT (.+)$", output, re.MULTILINE)[1])
     # The upload failed on every rank, after every rank had written its data ...

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from recipe_runner import RECIPES, ROOT, assert_ok, recipe_path
+from recipe_runner import RECIPES, assert_ok, recipe_path
 
 RECIPE = "default_stager_recipe"
 SAVE_STEPS = [3, 6, 9]  # NUM_STEPS, SAVE_EVERY = 10, 3; the step-0 save is awaited at once
@@ -110,14 +108,7 @@ def test_recipe_with_two_ranks_draws_the_timeline(recipe_runner, tmp_path):
             """
         )
     )
-    result = subprocess.run(
-        [sys.executable, str(driver)],
-        env=recipe_runner.env(DCP_RECIPES_WORLD_SIZE="2"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = recipe_runner.script(driver)
     output = assert_ok(result)
     assert "Traceback" not in output
     assert_contract_holds(output, world_size=2)
@@ -213,14 +204,7 @@ def test_recipe_stops_plainly_on_an_older_torch(recipe_runner, tmp_path):
             """
         )
     )
-    result = subprocess.run(
-        [sys.executable, str(driver)],
-        env=recipe_runner.env(DCP_RECIPES_WORLD_SIZE="2"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = recipe_runner.script(driver, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == GATE_MESSAGE
     assert result.stderr == ""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -89,16 +87,6 @@ def write_script(tmp_path, body: str):
     return script
 
 
-def run_script(recipe_runner, script, **env):
-    return subprocess.run(
-        [sys.executable, str(script)],
-        env=recipe_runner.env(**env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner, tmp_path):
     script = write_script(
         tmp_path,
@@ -112,7 +100,7 @@ def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner, tmp_p
         run_on_ranks(train, 7)
         """,
     )
-    result = run_script(recipe_runner, script, DCP_RECIPES_WORLD_SIZE="2")
+    result = recipe_runner.script(script, timeout=120)
     assert result.returncode != 0
     error = result.stderr
     assert "RankFailedError: recipe 'broken_recipe': rank 1 failed: rank 1 raised" in error
@@ -136,7 +124,7 @@ def test_a_hanging_rank_fails_at_the_deadline(recipe_runner, tmp_path):
         run_on_ranks(train)
         """,
     )
-    result = run_script(recipe_runner, script, DCP_RECIPES_WORLD_SIZE="2", DCP_RECIPES_TIMEOUT="8")
+    result = recipe_runner.script(script, timeout=120, DCP_RECIPES_TIMEOUT="8")
     assert result.returncode != 0
     assert "rank 0 failed: timed out after 8 s" in result.stderr
     assert "rank 0 started" in result.stderr
