@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes_source"
 RECIPE_TIMEOUT_S = 300
+CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
 
 
@@ -119,3 +121,12 @@ def assert_ok(result: subprocess.CompletedProcess) -> str:
     output = (result.stdout or "") + (result.stderr or "")
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-6000:]}"
     return output
+
+
+def checkpoint_files_in_repo() -> list[str]:
+    """Checkpoint files anywhere in the working tree (the virtualenv aside)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in (".venv", ".git")]
+        found += [os.path.join(dirpath, f) for f in filenames if CHECKPOINT_FILE.search(f)]
+    return found

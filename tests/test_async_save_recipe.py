@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from recipe_runner import RECIPES, ROOT, assert_ok, recipe_path
+from recipe_runner import RECIPES, assert_ok, checkpoint_files_in_repo, recipe_path
 
 RECIPE = "async_save_recipe"
 # The recipe's three training runs, by the directory each one checkpoints into.
@@ -21,7 +21,6 @@ RESUMED = re.compile(
     r"\[rank0\] (\S+)/step-(\d+): (\d+) tensors, (\d+) differ from the state at the save call, "
     r"(\d+) from the live model at the end"
 )
-CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$")
 TABLE_ROWS = (
     "dcp.save (timed above)",
     "async_save",
@@ -46,14 +45,6 @@ def processes_left_by(recipe_runner, grace_s: float = 5.0) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
-
-
-def checkpoint_files_in_repo() -> list[str]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in (".venv", ".git")]
-        found += [os.path.join(dirpath, f) for f in filenames if CHECKPOINT_FILE.search(f)]
-    return found
 
 
 def assert_recipe_ran(output: str, ranks: int) -> None:

@@ -7,7 +7,7 @@ import re
 import textwrap
 
 import pytest
-from recipe_runner import RECIPES, ROOT, assert_ok
+from recipe_runner import RECIPES, assert_ok, checkpoint_files_in_repo
 
 RECIPE = "save_load_recipe"
 
@@ -23,16 +23,6 @@ SINGLE_PROCESS_CHECKS = [
     ),
     re.compile(rf"dcp_to_torch \.\.\. checkpoint-cli.pt\n{R0}compared (\d+) tensors: 0 differ"),
 ]
-CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
-
-
-def checkpoint_files_in_repo() -> list[str]:
-    """Checkpoint files anywhere in the working tree (the virtualenv aside)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in (".venv", ".git")]
-        found += [os.path.join(dirpath, f) for f in filenames if CHECKPOINT_FILE.search(f)]
-    return found
 
 
 def assert_recipe_checks_passed(output: str, checks_per_line: int = 1) -> None:
