@@ -5,7 +5,8 @@ that the DCP code on each page can stay exactly what you would write in a
 training script. It works in three places:
 
 * inside Sphinx-Gallery and as ``python recipes_source/<recipe>.py``: the
-  launcher forks ``DCP_RECIPES_WORLD_SIZE`` ranks (default 2), hosts their
+  launcher forks ``DCP_RECIPES_WORLD_SIZE`` ranks (default: 2 on CPU, one per
+  GPU on a GPU machine, and never more than the GPUs there are), hosts their
   rendezvous store in the parent on a free port, captures each rank's output
   and prints it, labelled by rank, under the cell that launched it;
 * under ``torchrun`` (one or several agents): it uses the ranks torchrun made
@@ -13,20 +14,22 @@ training script. It works in three places:
 
 CPU ranks use gloo. With GPUs each rank gets one device and the process group
 ``"cpu:gloo,cuda:nccl"`` (``dcp.async_save`` needs the CPU backend). The parent
-never initialises CUDA, so forking stays safe.
+never initialises CUDA, so forking stays safe. Process clean-up is the
+launcher's too: each forked rank limits OpenMP to one thread, freezes the
+objects it inherited, stops the helper processes a recipe started (DCP's
+checkpoint process) and removes their temporary folders before it exits.
 
 A rank that raises fails the launch at once, and the error names the recipe,
 the rank, its traceback and its output. Every launch has a deadline
 (``DCP_RECIPES_TIMEOUT`` seconds, default 300), so nothing hangs.
 """
 
-from __future__ import annotations
-
 import atexit
 import contextlib
 import datetime
 import gc
 import hashlib
+import importlib.machinery
 import io
 import json
 import multiprocessing.util
@@ -63,27 +66,33 @@ class RankFailedError(RuntimeError):
 # --------------------------------------------------------------------------
 
 
-def world_size() -> int:
+def _world_size() -> int:
     """The number of ranks a launch uses: torchrun's, or ``DCP_RECIPES_WORLD_SIZE``."""
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
-    raw = os.environ.get(WORLD_SIZE_ENV, str(DEFAULT_WORLD_SIZE))
+    gpus = torch.cuda.device_count() if _use_gpus() else 0
+    raw = os.environ.get(WORLD_SIZE_ENV, str(gpus or DEFAULT_WORLD_SIZE))
     try:
         size = int(raw)
     except ValueError:
         size = 0
     if size < 1:
         raise ValueError(f"{WORLD_SIZE_ENV} must be a positive integer, got {raw!r}")
+    if gpus and size > gpus:
+        raise ValueError(
+            f"{WORLD_SIZE_ENV}={size} asks for more ranks than this machine has GPUs ({gpus}): "
+            "NCCL needs one GPU per rank"
+        )
     return size
 
 
-def use_gpus() -> bool:
+def _use_gpus() -> bool:
     """True when ranks should run on GPUs; never initialises CUDA."""
     return torch.cuda.is_available()
 
 
-def backend() -> str:
-    return "cpu:gloo,cuda:nccl" if use_gpus() else "gloo"
+def _backend() -> str:
+    return "cpu:gloo,cuda:nccl" if _use_gpus() else "gloo"
 
 
 def under_torchrun() -> bool:
@@ -113,7 +122,7 @@ def _cpu_name() -> str:
 
 def _device_description() -> str:
     """Called on a rank (never in the launching parent): may touch CUDA."""
-    if use_gpus():
+    if _use_gpus():
         return f"{torch.cuda.get_device_name()} (GPU)"
     return f"{_cpu_name()}, {os.cpu_count()} cores (CPU)"
 
@@ -126,7 +135,7 @@ def _write_stamp(device: str, ranks: int) -> None:
         "recipe": _recipe_name(),
         "torch": torch.__version__,
         "device": device,
-        "backend": backend(),
+        "backend": _backend(),
         "world_size": ranks,
         "launcher": "torchrun" if under_torchrun() else "fork",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -203,9 +212,10 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
     Returns the list of per-rank return values (rank order). Output printed
     by each rank is printed here, labelled by rank, once the ranks finish.
     """
+    _no_main_script_to_rerun()
     if under_torchrun():
         return _run_under_torchrun(fn, args)
-    return _run_forked(fn, args, world_size(), _timeout_s(timeout))
+    return _run_forked(fn, args, _world_size(), _timeout_s(timeout))
 
 
 def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
@@ -214,6 +224,7 @@ def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
     In the gallery and as a script it runs right here; under torchrun rank 0
     runs it while the other ranks wait, so files are written once.
     """
+    _no_main_script_to_rerun()
     if not under_torchrun():
         return fn(*args)
     _ensure_torchrun_group()
@@ -224,6 +235,18 @@ def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
     dist.barrier()
     dist.broadcast_object_list(result, src=0)
     return result[0]
+
+
+def _no_main_script_to_rerun() -> None:
+    """Keep processes that torch spawns (DCP's checkpoint process) from running the recipe again.
+
+    A spawned child imports the parent's main script unless ``__main__.__spec__``
+    names a module called ``__main__``. A recipe runs its code at the top level,
+    so importing it again would start the whole recipe in the checkpoint process.
+    """
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is None:
+        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
 
 
 def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float) -> list[Any]:
@@ -333,13 +356,13 @@ def _rank_entry(
     # starts its own thread pool can hang in its first matmul.
     torch.set_num_threads(1)
     try:
-        if use_gpus():
+        if _use_gpus():
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(
             "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
         dist.init_process_group(
-            backend(),
+            _backend(),
             store=store,
             rank=rank,
             world_size=ranks,
@@ -373,9 +396,9 @@ def _rank_entry(
 def _ensure_torchrun_group() -> None:
     if dist.is_initialized():
         return
-    if use_gpus():
+    if _use_gpus():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=_timeout_s(None)))
+    dist.init_process_group(_backend(), timeout=datetime.timedelta(seconds=_timeout_s(None)))
     atexit.register(_destroy_torchrun_group)
 
 
