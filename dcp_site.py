@@ -16,11 +16,10 @@ import re
 import shutil
 from pathlib import Path
 
-from markupsafe import Markup
-from sphinx.application import Sphinx
-from sphinx.util import logging
+from typing import TYPE_CHECKING
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # Sphinx is imported by Sphinx; tools that read RECIPE_ORDER run without it
+    from sphinx.application import Sphinx
 
 GALLERY_DIR = "recipes"
 SOURCE_DIR = "recipes_source"
@@ -102,7 +101,9 @@ def insert_run_stamp(app: Sphinx, docname: str, source: list[str]) -> None:
     elif stamp_path.exists():
         block = stamp_block(json.loads(stamp_path.read_text()))
     else:
-        logger.warning(
+        from sphinx.util import logging
+
+        logging.getLogger(__name__).warning(
             "recipe %s ran but left no run stamp: does it launch its ranks with rank_launcher?",
             stem,
             location=docname,
@@ -139,8 +140,10 @@ _THIRD_PARTY = [
 _CDN_JQUERY = '<script src="https://code.jquery.com/jquery-3.7.1.min.js"></script>'
 
 
-def offline_head(html: str, local_jquery: str) -> Markup:
+def offline_head(html: str, local_jquery: str):
     """Template filter: the theme's head without requests to other hosts."""
+    from markupsafe import Markup
+
     html = str(html).replace(_CDN_JQUERY, f'<script src="{local_jquery}"></script>')
     for pattern in _THIRD_PARTY:
         html = pattern.sub("", html)
