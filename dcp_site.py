@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Sphinx is imported by Sphinx; tools that read RECIPE_ORDER run without it
