@@ -1,19 +1,28 @@
 """The site's own Sphinx extension: the logic that conf.py only names.
 
-* ``RecipeOrder``: the gallery lists recipes in reading order, not by file name.
-* Run stamps: while a recipe executes, the rank launcher writes where it ran
-  (torch, device, backend, world size, date) into ``recipes/.run-stamps``;
-  this extension puts that stamp at the top of the recipe's page. A stamp is
-  deleted right before its recipe runs, so a page never shows a stale one,
-  and a recipe selected to run that leaves no stamp fails the build.
+* ``RecipeOrder``: the gallery lists recipes in reading order, not by file name;
+  ``recipe_names()`` is the one list of recipes for the site, its tests and tools.
+* The page header: under each recipe's title, the links a reader looks for
+  (download the script, download the notebook, view the source) and the run
+  stamp. While a recipe executes, the rank launcher writes where it ran
+  (torch, device, backend, world size, date) into ``recipes/.run-stamps``. A
+  stamp is deleted right before its recipe runs, so a page never shows a stale
+  one, and a recipe selected to run that leaves no stamp fails the build.
+* Downloads that run alone: the pages import ``rank_launcher`` from the
+  repository; the build writes the launcher into each page's ``.py``,
+  ``.ipynb`` and ``.zip`` download, so one downloaded file is enough.
+* An offline head: the theme's third-party scripts, fonts and trackers removed.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
 import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +33,7 @@ GALLERY_DIR = "recipes"
 SOURCE_DIR = "recipes_source"
 STAMP_SUBDIR = ".run-stamps"
 STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # read by recipes_source/rank_launcher.py
+LAUNCHER = "rank_launcher.py"
 
 # The order a reader should take: basics, async, full overlap, its pitfalls, the numbers.
 RECIPE_ORDER = (
@@ -33,6 +43,13 @@ RECIPE_ORDER = (
     "staging_pitfalls_recipe.py",
     "checkpoint_stall_benchmark.py",
 )
+
+
+def recipe_names(confdir: str | os.PathLike = Path(__file__).parent) -> list[str]:
+    """Every recipe's file stem, in reading order: RECIPE_ORDER, then any others by name."""
+    found = {p.name for p in Path(confdir, SOURCE_DIR).glob("*.py")} - {LAUNCHER, "__init__.py"}
+    ordered = [name for name in RECIPE_ORDER if name in found]
+    return [Path(name).stem for name in ordered + sorted(found - set(ordered))]
 
 
 class RecipeOrder:
@@ -87,8 +104,25 @@ NOT_RUN_BLOCK = (
 )
 
 
-def insert_run_stamp(app: Sphinx, docname: str, source: list[str]) -> None:
-    """``source-read``: put the run stamp under the title of each recipe page."""
+def page_links(stem: str) -> str:
+    """The links at the top of a recipe page, as on pytorch.org's tutorials."""
+    return (
+        ".. container:: dcp-page-links\n\n"
+        f"   :download:`Download script <{stem}.py>` · "
+        f":download:`Download notebook <{stem}.ipynb>` · "
+        f"`View source <../_sources/{SOURCE_DIR}/{stem}.py.txt>`__ · "
+        ":doc:`How the ranks start </launcher>`\n"
+    )
+
+
+# Sphinx-Gallery's "Go to the end to download the full example code" note: the header has the links.
+_GO_TO_THE_END = re.compile(
+    r"\.\. note::\n\s+:class: sphx-glr-download-link-note\n.*?full example code\.\n", re.S
+)
+
+
+def insert_page_header(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read``: put the links and the run stamp under the title of each recipe page."""
     if not docname.startswith(f"{GALLERY_DIR}/") or docname.endswith("/index"):
         return
     stem = docname.split("/", 1)[1]
@@ -96,9 +130,9 @@ def insert_run_stamp(app: Sphinx, docname: str, source: list[str]) -> None:
         return
     stamp_path = stamp_dir(app.confdir) / f"{stem}.json"
     if not _selected_to_run(app, stem):
-        block = NOT_RUN_BLOCK
+        stamp = NOT_RUN_BLOCK
     elif stamp_path.exists():
-        block = stamp_block(json.loads(stamp_path.read_text()))
+        stamp = stamp_block(json.loads(stamp_path.read_text()))
     else:
         from sphinx.util import logging
 
@@ -108,7 +142,8 @@ def insert_run_stamp(app: Sphinx, docname: str, source: list[str]) -> None:
             location=docname,
         )
         return
-    source[0] = _after_title(source[0], block)
+    text = _GO_TO_THE_END.sub("", source[0], count=1)
+    source[0] = _after_title(text, page_links(stem) + "\n" + stamp)
 
 
 def _after_title(text: str, block: str) -> str:
@@ -125,6 +160,109 @@ def _export_stamp_dir(app: Sphinx, config) -> None:
     os.environ[STAMP_DIR_ENV] = str(stamp_dir(app.confdir))
 
 
+# --------------------------------------------------------------------------
+# Downloads that run alone
+# --------------------------------------------------------------------------
+
+LAUNCHER_IMPORT = re.compile(r"^from rank_launcher import [^\n]+\n", re.M)
+LAUNCHER_HEADER = """\
+# %%
+# How this file starts its ranks
+# ------------------------------
+# This cell is the site's rank launcher (rank_launcher.py), which every page
+# imports; the build wrote it into this download so that the file runs on its
+# own. As a plain script it forks DCP_RECIPES_WORLD_SIZE ranks (default: 2 on
+# CPU, one per GPU); under torchrun it uses torchrun's ranks. Your own training
+# script does not need it: run the recipe's functions on the ranks torchrun
+# starts. The recipe continues after "End of the rank launcher".
+"""
+LAUNCHER_NOTE = (
+    "## How this notebook starts its ranks\n"
+    "The next cell is the site's rank launcher (`rank_launcher.py`), which every page imports; "
+    "the build wrote it into this notebook so that it runs on its own. It forks "
+    "`DCP_RECIPES_WORLD_SIZE` ranks (default: 2 on CPU, one per GPU) for each cell that calls "
+    "`run_on_ranks`. Your own training script does not need it."
+)
+
+
+def launcher_code(launcher_source: str) -> str:
+    """The launcher without its module docstring (the header above replaces it)."""
+    tree = ast.parse(launcher_source)
+    first = tree.body[0]
+    lines = launcher_source.splitlines(keepends=True)
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        lines = lines[first.end_lineno :]
+    return "".join(lines).strip("\n") + "\n"
+
+
+def standalone_script(script: str, launcher_source: str) -> str:
+    """A recipe script with the launcher written in, after its docstring, in place of the import."""
+    if not LAUNCHER_IMPORT.search(script):
+        return script
+    script = LAUNCHER_IMPORT.sub("", script, count=1)
+    tree = ast.parse(script)
+    has_docstring = tree.body and isinstance(tree.body[0], ast.Expr)
+    split = tree.body[0].end_lineno if has_docstring else 0
+    lines = script.splitlines(keepends=True)
+    launcher = f"{LAUNCHER_HEADER}\n{launcher_code(launcher_source)}\n# End of the rank launcher.\n"
+    return "".join(lines[:split]) + "\n\n" + launcher + "\n\n" + "".join(lines[split:])
+
+
+def _cell(cell_type: str, text: str) -> dict:
+    cell = {"cell_type": cell_type, "metadata": {}, "source": text.splitlines(keepends=True)}
+    if cell_type == "code":
+        cell.update(execution_count=None, outputs=[])
+    return cell
+
+
+def standalone_notebook(notebook: dict, launcher_source: str) -> dict:
+    """A recipe notebook with the launcher in a cell of its own, in place of the import."""
+    notebook = copy.deepcopy(notebook)
+    cells = notebook["cells"]
+    importing = [
+        i
+        for i, cell in enumerate(cells)
+        if cell["cell_type"] == "code" and LAUNCHER_IMPORT.search("".join(cell["source"]))
+    ]
+    if not importing:
+        return notebook
+    for i in importing:
+        text = LAUNCHER_IMPORT.sub("", "".join(cells[i]["source"]), count=1)
+        cells[i]["source"] = text.splitlines(keepends=True)
+    # After the title cell: the launcher is defined before any cell uses it.
+    cells[1:1] = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher_code(launcher_source))]
+    return notebook
+
+
+def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> None:
+    """``build-finished``: write the launcher into every recipe's downloads; publish sources."""
+    if exception is not None or app.builder.format != "html":
+        return
+    confdir, outdir = Path(app.confdir), Path(app.outdir)
+    launcher_source = (confdir / SOURCE_DIR / LAUNCHER).read_text()
+    sources = outdir / "_sources" / SOURCE_DIR
+    sources.mkdir(parents=True, exist_ok=True)
+    for stem in recipe_names(confdir):
+        shutil.copyfile(confdir / SOURCE_DIR / f"{stem}.py", sources / f"{stem}.py.txt")
+        gallery = confdir / GALLERY_DIR
+        # Always from the gallery's own files, so that a rebuild never inlines twice.
+        script = standalone_script((gallery / f"{stem}.py").read_text(), launcher_source)
+        notebook = json.loads((gallery / f"{stem}.ipynb").read_text())
+        notebook_text = json.dumps(standalone_notebook(notebook, launcher_source), indent=1)
+        for path in (outdir / "_downloads").glob(f"*/{stem}.py"):
+            path.write_text(script)
+        for path in (outdir / "_downloads").glob(f"*/{stem}.ipynb"):
+            path.write_text(notebook_text + "\n")
+        for path in (outdir / "_downloads").glob(f"*/{stem}.zip"):
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+                archive.writestr(f"{stem}.py", script)
+                archive.writestr(f"{stem}.ipynb", notebook_text + "\n")
+
+
+# --------------------------------------------------------------------------
+# Site chrome
+# --------------------------------------------------------------------------
+
 # The theme's layout loads scripts, fonts and trackers from other hosts; offline
 # (and for privacy) they fail with console errors. jQuery is served locally.
 _THIRD_PARTY = [
@@ -135,6 +273,11 @@ _THIRD_PARTY = [
     re.compile(
         r'<script[^>]*src="https://(cdnjs\.cloudflare\.com|cse\.google\.com)/[^"]*"[^>]*></script>'
     ),
+    # The consent manager and the cookie banner's script: this site sets no cookies.
+    re.compile(
+        r"<script>\s*if \(window\.location\.hostname === 'docs\.pytorch\.org'.*?</script>", re.S
+    ),
+    re.compile(r"<script>\s*// Cookie banner for non-LF projects.*?</script>", re.S),
 ]
 _CDN_JQUERY = '<script src="https://code.jquery.com/jquery-3.7.1.min.js"></script>'
 
@@ -167,5 +310,6 @@ def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
-    app.connect("source-read", insert_run_stamp)
+    app.connect("build-finished", _write_standalone_downloads)
+    app.connect("source-read", insert_page_header)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,25 +1,67 @@
-"""Run a recipe the ways a reader would: python, torchrun, two torchrun agents."""
+"""Run a recipe the ways a reader would: its download under python, torchrun, two torchrun agents.
+
+A reader downloads a page's script and runs it alone, so the tests do too: the
+runner copies the file behind the page's "Download script" link, from the built
+site, into an empty directory and runs it there, with no PYTHONPATH. That file
+must be the recipe as it is now (the build wrote the launcher into it); a stale
+build is an error that says how to rebuild.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
+from bs4 import BeautifulSoup
+
+from dcp_site import recipe_names, standalone_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes_source"
+HTML = ROOT / "_build" / "html"
 RECIPE_TIMEOUT_S = 300
 CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
+# What an unintended problem looks like in a run's output.
+TRACEBACK = "Traceback (most recent call last)"
+WARNING_LINE = re.compile(r"\S+\.py:\d+: \w*Warning: ")
+
+RECIPE_NAMES = recipe_names(ROOT)
 
 
 def recipe_path(name: str) -> Path:
     path = RECIPES / f"{name}.py"
     assert path.exists(), f"no recipe {path}"
     return path
+
+
+def page_download(name: str, suffix: str) -> Path:
+    """The file behind a recipe page's download link (``.py`` or ``.ipynb``) in the built site."""
+    page = HTML / "recipes" / f"{name}.html"
+    assert page.exists(), f"no built page for {name}: run `make html-noplot` (or `make html`) first"
+    links = BeautifulSoup(page.read_text(), "html.parser").select("div.dcp-page-links a[href]")
+    hrefs = [a["href"] for a in links if a["href"].endswith(f"{name}{suffix}")]
+    assert hrefs, f"{name}: the page has no {suffix} download link"
+    return (page.parent / hrefs[0]).resolve()
+
+
+def current_download(name: str) -> Path:
+    """The page's script download, checked to be the recipe as it is now."""
+    download = page_download(name, ".py")
+    launcher = (RECIPES / "rank_launcher.py").read_text()
+    expected = standalone_script(recipe_path(name).read_text(), launcher)
+    assert download.read_text() == expected, (
+        f"the site's download of {name}.py is older than recipes_source/{name}.py "
+        "(or the launcher): run `make html-noplot` (or `make html`) first"
+    )
+    return download
 
 
 def _free_port() -> int:
@@ -29,52 +71,60 @@ def _free_port() -> int:
 
 
 class RecipeRunner:
-    """Runs a recipe as a subprocess, with its own TMPDIR so leftovers are visible."""
+    """Runs a recipe's download in an empty directory, with its own TMPDIR so leftovers show."""
 
     def __init__(self, tmp_path: Path):
         self.tmpdir = tmp_path / "tmp"
         self.tmpdir.mkdir()
+        self.workdir = tmp_path / "download"  # where the downloaded script runs, alone
+        self.workdir.mkdir()
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop("DCP_RECIPES_STAMP_DIR", None)
+        for name in ("DCP_RECIPES_STAMP_DIR", "PYTHONPATH"):
+            env.pop(name, None)
         env.update(TMPDIR=str(self.tmpdir), PYTHONUNBUFFERED="1")
         env.update(extra)
         return env
 
+    def downloaded(self, name: str) -> Path:
+        """The page's script download, copied into the run's otherwise empty directory."""
+        target = self.workdir / f"{name}.py"
+        shutil.copyfile(current_download(name), target)
+        return target
+
     def python(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str):
-        """``python recipes_source/<name>.py`` with the gallery launcher."""
+        """``python <recipe>.py``: the download, alone in a directory, with the gallery launcher."""
         return self._run(
-            [sys.executable, str(recipe_path(name))],
+            [sys.executable, str(self.downloaded(name))],
             self.env(DCP_RECIPES_WORLD_SIZE=str(world_size), **env),
             timeout,
         )
 
     def torchrun(self, name: str, nproc: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str):
-        """``torchrun --standalone --nproc-per-node=N recipes_source/<name>.py``."""
+        """``torchrun --standalone --nproc-per-node=N <recipe>.py``, on the download."""
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc-per-node={nproc}", str(recipe_path(name))]
+        cmd += [f"--nproc-per-node={nproc}", str(self.downloaded(name))]
         return self._run(cmd, self.env(**env), timeout)
 
     def torchrun_two_nodes(self, name: str, timeout: float = RECIPE_TIMEOUT_S, **env: str):
         """Two torchrun agents (``--nnodes=2``), one rank each, c10d rendezvous on 127.0.0.1."""
         port = _free_port()
+        script = self.downloaded(name)
         procs = []
         for node in range(2):
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+            cmd += [
                 "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
             ]
-            cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-            cmd += [f"--rdzv-id=test-{port}", f"--node-rank={node}", str(recipe_path(name))]
+            cmd += [f"--rdzv-id=test-{port}", f"--node-rank={node}", str(script)]
             procs.append(
                 subprocess.Popen(
                     cmd,
                     env=self.env(**env),
-                    cwd=ROOT,
+                    cwd=self.workdir,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -92,28 +142,50 @@ class RecipeRunner:
         return results
 
     def script(self, path, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str):
-        """``python <path>``: a test's own script that uses the launcher."""
+        """``python <path>``: a test's own script; it imports the launcher from the repository."""
         return self._run(
             [sys.executable, str(path)],
-            self.env(DCP_RECIPES_WORLD_SIZE=str(world_size), **env),
+            self.env(DCP_RECIPES_WORLD_SIZE=str(world_size), PYTHONPATH=str(RECIPES), **env),
             timeout,
         )
 
     def _run(self, cmd: list[str], env: dict[str, str], timeout: float):
         return subprocess.run(
-            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            cmd, env=env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
         )
 
     def leftovers(self) -> list[str]:
-        """Files a run left in its TMPDIR.
+        """Files a run left in its TMPDIR or beside the script it ran.
 
         torch's own per-user folders are not ours: torchrun's logs
         (``torchelastic_*``) and the compile cache that importing torch._dynamo
         creates (``torchinductor_<user>``).
         """
-        return sorted(
-            p.name for p in self.tmpdir.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)
-        )
+        left = [p.name for p in self.tmpdir.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
+        left += [
+            f"beside the script: {p.name}" for p in self.workdir.iterdir() if p.suffix != ".py"
+        ]
+        return sorted(left)
+
+    def processes_left(self, grace_s: float = 5.0) -> list[str]:
+        """Processes still running that a run started (they carry its private TMPDIR).
+
+        Exiting ones get ``grace_s`` to finish exiting.
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            left = []
+            for process in psutil.process_iter(["pid", "cmdline", "status"]):
+                try:
+                    if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
+                        continue
+                    if process.environ().get("TMPDIR") == str(self.tmpdir):
+                        left.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
+                except (psutil.Error, OSError):
+                    continue
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> str:
@@ -121,6 +193,13 @@ def assert_ok(result: subprocess.CompletedProcess) -> str:
     output = (result.stdout or "") + (result.stderr or "")
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-6000:]}"
     return output
+
+
+def assert_no_traceback(output: str) -> None:
+    """No traceback, stray warning or aborted rank in a run's output."""
+    assert TRACEBACK not in output, f"a traceback in the output:\n{output[-4000:]}"
+    assert not WARNING_LINE.search(output), f"a warning in the output:\n{output[-4000:]}"
+    assert "terminate called" not in output, f"a rank aborted:\n{output[-4000:]}"
 
 
 def checkpoint_files_in_repo() -> list[str]:

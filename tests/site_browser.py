@@ -73,6 +73,10 @@ INSPECT_JS = """
     output_blocks: outputs.length,
     output_blocks_with_copy_button: outputs.filter((o) => o.querySelector("button.copybtn")).length,
     run_stamp: (document.querySelector("div.dcp-run-stamp") || {}).innerText || "",
+    cookie_banners: [...document.querySelectorAll("[class*=cookie], [id*=cookie]")].filter(
+      (el) => el.offsetParent !== null).length,
+    header_links: [...document.querySelectorAll("div.dcp-page-links a[href]")].map(
+      (a) => [a.innerText.trim(), a.href]),
   };
 }
 """
@@ -130,6 +134,10 @@ class PageReport:
     output_blocks: int  # Sphinx-Gallery's captured output (div.sphx-glr-script-out)
     output_blocks_with_copy_button: int  # should be 0: output is not for copying
     run_stamp: str  # text of the "Last executed" box, "" where there is none
+    cookie_banners: int  # visible elements with "cookie" in their class or id: should be 0
+    # The links under a recipe's title (download script, notebook, view source), with the
+    # HTTP status each one answered when the browser fetched it.
+    header_links: list = field(default_factory=list)
     copies: list[CopyCheck] = field(default_factory=list)
     console_errors: list[str] = field(default_factory=list)
     console_warnings: list[str] = field(default_factory=list)
@@ -179,6 +187,7 @@ class PageReport:
             f"  copies: {sum(c.ok for c in self.copies)}/{len(self.copies)} exact"
             + (f" via {self.copies[0].source}" if self.copies else ""),
             f"  screenshot {self.screenshot}, {self.seconds:.1f} s",
+            f"  cookie banners {self.cookie_banners}, header links {self.header_links}",
         ]
         for check in self.copies:
             if not check.ok:
@@ -312,6 +321,9 @@ def _check_page(browser, base: str, page_path: str, screenshot_dir: Path, check_
         with contextlib.suppress(PlaywrightTimeoutError):  # a page that never goes quiet
             page.wait_for_load_state("networkidle", timeout=SETTLE_TIMEOUT_MS)
         facts = page.evaluate(INSPECT_JS)
+        facts["header_links"] = [
+            (text, href, page.request.get(href).status) for text, href in facts["header_links"]
+        ]
         screenshot = screenshot_dir / Path(page_path).with_suffix(".png")
         screenshot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(screenshot), full_page=True)  # before any "Copied!" tooltip

@@ -3,30 +3,39 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 import yaml
 from bs4 import BeautifulSoup
-from recipe_runner import RECIPES, ROOT
+from nbclient import NotebookClient
+from recipe_runner import (
+    HTML,
+    RECIPE_NAMES,
+    RECIPES,
+    ROOT,
+    assert_no_traceback,
+    page_download,
+)
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 
-HTML = ROOT / "_build" / "html"
-RECIPE_SOURCES = sorted(p for p in RECIPES.glob("*.py") if p.name != "rank_launcher.py")
-RECIPE_NAMES = [p.stem for p in RECIPE_SOURCES]
+from dcp_site import LAUNCHER_IMPORT, launcher_code, standalone_script
+
+RECIPE_SOURCES = [RECIPES / f"{name}.py" for name in RECIPE_NAMES]
+FIXTURES = Path(__file__).parent / "site_fixtures"
 
 # Calls that print when a cell runs them at top level: the launcher prints
 # every rank's output under the cell that launched it.
 PRINTING_CALLS = {"print", "run_on_ranks", "run_on_one_process"}
-# What an unintended problem looks like in captured output.
-TRACEBACK = "Traceback (most recent call last)"
-WARNING_LINE = re.compile(r"\S+\.py:\d+: \w*Warning: ")
 TROUBLESHOOTING_SECTIONS = [
     "A CPU backend must be enabled",
     "Training hangs while a save is in flight",
@@ -111,12 +120,8 @@ def test_each_printing_cell_has_its_output_under_it(site, name):
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_captured_output_shows_no_traceback_or_stray_warning(site, name):
-    doc = page(site, name)
-    for out in doc.select("div.sphx-glr-script-out"):
-        text = out.get_text()
-        assert TRACEBACK not in text, f"{name}: a traceback in the output:\n{text[-2000:]}"
-        assert not WARNING_LINE.search(text), f"{name}: a warning in the output:\n{text[-2000:]}"
-        assert "terminate called" not in text, f"{name}: a rank aborted:\n{text[-2000:]}"
+    for out in page(site, name).select("div.sphx-glr-script-out"):
+        assert_no_traceback(out.get_text())
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -146,13 +151,124 @@ def test_versionadded_renders_where_used(site):
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
-def test_script_and_notebook_downloads_exist(site, name):
-    links = [a["href"] for a in page(site, name).select("a.download")]
-    for suffix in (".py", ".ipynb"):
-        matching = [href for href in links if href.endswith(f"{name}{suffix}")]
-        assert matching, f"{name}: no {suffix} download link"
-        target = (site / "recipes" / matching[0]).resolve()
-        assert target.exists() and target.stat().st_size > 0, target
+def test_page_header_links_to_script_notebook_and_source(site, name):
+    header = page(site, name).select_one("div.dcp-page-links")
+    assert header is not None, f"{name}: no links under the title"
+    links = {a.get_text(" ", strip=True): a["href"] for a in header.select("a[href]")}
+    assert list(links) == [
+        "Download script",
+        "Download notebook",
+        "View source",
+        "How the ranks start",
+    ], links
+    for text, href in links.items():
+        target = (site / "recipes" / href.split("#")[0]).resolve()
+        assert target.is_file() and target.stat().st_size > 0, f"{name}: {text} -> {href}"
+    assert (site / "recipes" / links["View source"]).read_text() == (
+        RECIPES / f"{name}.py"
+    ).read_text(), "View source shows the recipe as it is in the repository"
+
+
+def launcher_source() -> str:
+    return (RECIPES / "rank_launcher.py").read_text()
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_downloads_hold_the_recipe_and_the_launcher(site, name):
+    script = page_download(name, ".py").read_text()
+    assert "from rank_launcher import" not in script, "the download imports nothing of ours"
+    assert launcher_code(launcher_source()) in script, "the launcher, verbatim, not a copy"
+    assert script == standalone_script((RECIPES / f"{name}.py").read_text(), launcher_source())
+    ast.parse(script)
+    notebook = json.loads(page_download(name, ".ipynb").read_text())
+    code = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert not any("from rank_launcher import" in cell for cell in code)
+    assert code[0] == launcher_code(launcher_source()), "the launcher is the first code cell"
+    zipped = next((page_download(name, ".py").parent.parent).glob(f"*/{name}.zip"))
+    with zipfile.ZipFile(zipped) as archive:
+        assert archive.read(f"{name}.py").decode() == script
+        assert json.loads(archive.read(f"{name}.ipynb")) == notebook
+
+
+def copy_button_texts(doc: BeautifulSoup) -> list[str]:
+    """What the copy button copies from each of the page's cells, in order."""
+    return [pre.get_text() for pre in doc.select("div.highlight-Python div.highlight pre")]
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_notebook_holds_exactly_the_code_a_reader_copies(site, name):
+    """The notebook's cells are the page's code blocks: running one runs the other."""
+    notebook = json.loads(page_download(name, ".ipynb").read_text())
+    cells = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    copied = [
+        LAUNCHER_IMPORT.sub("", text, count=1) for text in copy_button_texts(page(site, name))
+    ]
+    assert [c.strip() for c in cells[1:]] == [c.strip() for c in copied]
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_downloaded_notebook_runs_alone(site, name, tmp_path, monkeypatch):
+    """The page's notebook, alone in an empty directory, top to bottom in a Jupyter kernel."""
+    workdir, tmpdir = tmp_path / "notebook", tmp_path / "tmp"
+    workdir.mkdir()
+    tmpdir.mkdir()
+    notebook_path = workdir / f"{name}.ipynb"
+    shutil.copyfile(page_download(name, ".ipynb"), notebook_path)
+    monkeypatch.setenv("TMPDIR", str(tmpdir))  # the kernel inherits it: leftovers show
+    monkeypatch.setenv("DCP_RECIPES_WORLD_SIZE", "2")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("DCP_RECIPES_STAMP_DIR", raising=False)
+    notebook = nbformat.read(notebook_path, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": workdir}}
+    )
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on an error
+    printed = "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    )
+    assert "[rank0]" in printed, "the notebook's cells ran ranks and printed their output"
+    assert_no_traceback(printed)
+    assert sorted(p.name for p in workdir.iterdir()) == [notebook_path.name]
+    assert [p.name for p in tmpdir.iterdir() if not p.name.startswith("torch")] == []
+
+
+def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, tmp_path):
+    """The getting-started page's code blocks, copied in order into one file, run as a script."""
+    name = "save_load_recipe"
+    pasted = tmp_path / "pasted" / "my_checkpointing.py"
+    pasted.parent.mkdir()
+    pasted.write_text("\n\n".join(copy_button_texts(page(site, name))))
+    launcher_link = soup(site / "launcher.html").select_one("a.download[href$='rank_launcher.py']")
+    assert launcher_link is not None, "the launcher page offers rank_launcher.py"
+    shutil.copyfile((site / launcher_link["href"]).resolve(), pasted.parent / "rank_launcher.py")
+    result = subprocess.run(
+        [sys.executable, str(pasted)],
+        cwd=pasted.parent,
+        env=recipe_runner.env(DCP_RECIPES_WORLD_SIZE="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert output.count("compared 16 tensors with what was saved: 0 differ") == 2, output
+    assert_no_traceback(output)
+
+
+def test_site_chrome_is_this_sites_own(site):
+    """No cookie banner or consent script, no other organisation's copyright, our footer."""
+    for path in [site / "index.html", site / "launcher.html"] + [
+        site / "recipes" / f"{name}.html" for name in RECIPE_NAMES
+    ]:
+        html = path.read_text()
+        assert "cookie" not in html.lower(), f"{path.name}: a cookie banner or script"
+        for foreign in ("Meta Platforms", "Linux Foundation", "osano", "fbq(", "googletagmanager"):
+            assert foreign not in html, f"{path.name}: {foreign}"
+        footer = soup(path).select_one("footer.dcp-footer")
+        assert footer is not None and "DCP Recipes contributors" in footer.get_text(), path.name
 
 
 def test_landing_page_has_a_card_per_recipe(site):
@@ -218,16 +334,7 @@ def sphinx_build(source: Path, *options: str, **env: str) -> subprocess.Complete
 
 def test_a_raising_recipe_fails_the_build_with_its_rank_traceback(tmp_path):
     copy = copy_site(tmp_path)
-    (copy / "recipes_source" / "broken_recipe.py").write_text(
-        '"""\nA broken recipe\n===============\n\nIt raises on purpose.\n"""\n\n'
-        "import torch.distributed as dist\n"
-        "from rank_launcher import run_on_ranks\n\n\n"
-        "def train():\n"
-        '    print("about to fail on rank", dist.get_rank())\n'
-        "    if dist.get_rank() == 1:\n"
-        '        raise RuntimeError("checkpoint directory vanished")\n\n\n'
-        "run_on_ranks(train)\n"
-    )
+    shutil.copyfile(FIXTURES / "broken_recipe.py", copy / "recipes_source" / "broken_recipe.py")
     result = sphinx_build(copy, GALLERY_PATTERN=r"broken_recipe\.py", TMPDIR=str(tmp_path))
     log = result.stdout + result.stderr
     assert result.returncode != 0, log[-3000:]
@@ -262,6 +369,13 @@ def test_pages_in_a_browser(site):
         assert report.has_code and report.has_copy_button and report.copies_ok, report.summary()
         assert report.output_blocks_with_copy_button == 0, report.summary()
         assert Path(report.screenshot).exists() or (ROOT / "_build" / report.screenshot).exists()
+    for report in reports:
+        assert report.cookie_banners == 0, report.summary()
     for report in reports[1:]:
         assert report.has_output, report.summary()
         assert report.run_stamp.startswith("Last executed"), report.summary()
+        texts = [text for text, _, _ in report.header_links]
+        assert texts == ["Download script", "Download notebook", "View source"] + [
+            "How the ranks start"
+        ], report.summary()
+        assert all(status == 200 for *_, status in report.header_links), report.summary()

@@ -1,0 +1,76 @@
+"""The rank launcher (recipes_source/rank_launcher.py): failures, deadlines, world sizes, spawn.
+
+The recipes' own tests run it the ways a reader does (the download under python, torchrun and
+two torchrun agents); these tests check what a reader sees when something goes wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import rank_launcher
+import torch
+
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
+
+
+def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "raising_rank.py", timeout=120)
+    assert result.returncode != 0
+    error = result.stderr
+    assert "RankFailedError: recipe 'raising_rank': rank 1 failed: rank 1 raised" in error
+    assert "ValueError: loss is NaN on purpose" in error
+    assert "rank 1 reached step 7" in error, "the failing rank's output is in the error"
+    assert "timed out" not in error, "a raising rank must not wait for the deadline"
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
+
+
+def test_a_hanging_rank_fails_at_the_deadline(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "hanging_rank.py", timeout=120, DCP_RECIPES_TIMEOUT="8")
+    assert result.returncode != 0
+    assert "recipe 'hanging_rank': rank 0 failed: timed out after 8 s" in result.stderr
+    assert "rank 0 started" in result.stderr
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
+
+
+def test_a_bad_world_size_is_a_clear_error(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "raising_rank.py", world_size=0)
+    assert result.returncode != 0
+    assert "DCP_RECIPES_WORLD_SIZE must be a positive integer, got '0'" in result.stderr
+    assert "reached step" not in result.stderr, "no rank starts"
+    assert recipe_runner.leftovers() == []
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "more_ranks_than_gpus.py", world_size=2)
+    assert result.returncode != 0
+    assert (
+        "DCP_RECIPES_WORLD_SIZE=2 asks for more ranks than this machine has GPUs (1): "
+        "NCCL needs one GPU per rank"
+    ) in result.stderr
+    assert "a rank started" not in result.stdout + result.stderr
+    assert recipe_runner.leftovers() == []
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(0, 2), (1, 1), (8, 8)])
+def test_default_world_size_is_one_rank_per_gpu(monkeypatch, gpus, expected):
+    monkeypatch.delenv("DCP_RECIPES_WORLD_SIZE", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert rank_launcher._world_size() == expected
+
+
+def test_spawned_helper_processes_do_not_run_the_recipe_again(recipe_runner):
+    output = recipe_runner.script(SCRIPTS / "spawning_rank.py", timeout=120)
+    text = output.stdout + output.stderr
+    assert output.returncode == 0, text[-4000:]
+    assert text.count("top level of the script ran") == 1, text
+    assert "[rank0] child ran" in text and "[rank1] child ran" in text, text
+    assert "[rank1] rank 1: spawned child exited with 0" in text, text
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
