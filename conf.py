@@ -46,7 +46,8 @@ sphinx_gallery_conf = {
     # The launcher is the gallery's scaffolding, not a recipe.
     "ignore_pattern": r"rank_launcher\.py|__init__\.py",
     "within_subsection_order": "dcp_site.RecipeOrder",
-    "reset_modules": ("matplotlib", "dcp_site.forget_last_run"),
+    "reset_modules": ("matplotlib", "dcp_site.reset_recipe_outputs"),
+    "reset_modules_order": "both",
     "download_all_examples": False,
     # Cells show what they print; a bare last expression is not echoed.
     "capture_repr": (),

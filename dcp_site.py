@@ -71,11 +71,31 @@ def stamp_dir(confdir: str | os.PathLike) -> Path:
     return Path(confdir) / GALLERY_DIR / STAMP_SUBDIR
 
 
-def forget_last_run(gallery_conf: dict, fname: str | None, when: str) -> None:
-    """Sphinx-Gallery reset hook: drop a recipe's stamp right before it runs."""
-    if when == "before" and fname:
-        stamp = stamp_dir(gallery_conf["src_dir"]) / f"{Path(fname).stem}.json"
-        stamp.unlink(missing_ok=True)
+# Files a recipe writes into its working directory for the reader to keep (as a download,
+# beside the script; in the gallery, in recipes_source/): after the recipe runs in the build
+# they move into the gallery, and its page header links them.
+ARTIFACTS = {".trace.json": "Download the profiler trace"}
+
+
+def reset_recipe_outputs(gallery_conf: dict, fname: str | None, when: str) -> None:
+    """Sphinx-Gallery reset hook, before and after each recipe runs.
+
+    Before: drop the recipe's stamp and artifacts of an earlier run, so a page
+    never shows stale ones. After: move the artifacts it wrote into the gallery.
+    """
+    if not fname:
+        return
+    stem, confdir = Path(fname).stem, Path(gallery_conf["src_dir"])
+    gallery = confdir / GALLERY_DIR
+    if when == "before":
+        (stamp_dir(confdir) / f"{stem}.json").unlink(missing_ok=True)
+        for suffix in ARTIFACTS:
+            (gallery / f"{stem}{suffix}").unlink(missing_ok=True)
+        return
+    for suffix in ARTIFACTS:
+        written = confdir / SOURCE_DIR / f"{stem}{suffix}"
+        if written.exists():
+            shutil.move(written, gallery / written.name)
 
 
 def _selected_to_run(app: Sphinx, stem: str) -> bool:
@@ -104,15 +124,20 @@ NOT_RUN_BLOCK = (
 )
 
 
-def page_links(stem: str) -> str:
+def page_links(stem: str, gallery: Path) -> str:
     """The links at the top of a recipe page, as on pytorch.org's tutorials."""
-    return (
-        ".. container:: dcp-page-links\n\n"
-        f"   :download:`Download script <{stem}.py>` · "
-        f":download:`Download notebook <{stem}.ipynb>` · "
-        f"`View source <../_sources/{SOURCE_DIR}/{stem}.py.txt>`__ · "
-        ":doc:`How the ranks start </launcher>`\n"
-    )
+    links = [
+        f":download:`Download script <{stem}.py>`",
+        f":download:`Download notebook <{stem}.ipynb>`",
+        f"`View source <../_sources/{SOURCE_DIR}/{stem}.py.txt>`__",
+    ]
+    links += [
+        f":download:`{label} <{stem}{suffix}>`"
+        for suffix, label in ARTIFACTS.items()
+        if (gallery / f"{stem}{suffix}").exists()
+    ]
+    links.append(":doc:`How the ranks start </launcher>`")
+    return ".. container:: dcp-page-links\n\n   " + " · ".join(links) + "\n"
 
 
 # Sphinx-Gallery's "Go to the end to download the full example code" note: the header has the links.
@@ -143,7 +168,8 @@ def insert_page_header(app: Sphinx, docname: str, source: list[str]) -> None:
         )
         return
     text = _GO_TO_THE_END.sub("", source[0], count=1)
-    source[0] = _after_title(text, page_links(stem) + "\n" + stamp)
+    links = page_links(stem, Path(app.confdir, GALLERY_DIR))
+    source[0] = _after_title(text, links + "\n" + stamp)
 
 
 def _after_title(text: str, block: str) -> str:

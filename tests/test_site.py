@@ -28,7 +28,7 @@ from recipe_runner import (
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 
-from dcp_site import LAUNCHER_IMPORT, launcher_code, standalone_script
+from dcp_site import ARTIFACTS, LAUNCHER_IMPORT, launcher_code, standalone_script
 
 RECIPE_SOURCES = [RECIPES / f"{name}.py" for name in RECIPE_NAMES]
 FIXTURES = Path(__file__).parent / "site_fixtures"
@@ -155,18 +155,29 @@ def test_page_header_links_to_script_notebook_and_source(site, name):
     header = page(site, name).select_one("div.dcp-page-links")
     assert header is not None, f"{name}: no links under the title"
     links = {a.get_text(" ", strip=True): a["href"] for a in header.select("a[href]")}
-    assert list(links) == [
-        "Download script",
-        "Download notebook",
-        "View source",
-        "How the ranks start",
-    ], links
+    assert list(links) == expected_header_links(name), links
     for text, href in links.items():
         target = (site / "recipes" / href.split("#")[0]).resolve()
         assert target.is_file() and target.stat().st_size > 0, f"{name}: {text} -> {href}"
     assert (site / "recipes" / links["View source"]).read_text() == (
         RECIPES / f"{name}.py"
     ).read_text(), "View source shows the recipe as it is in the repository"
+
+
+def expected_header_links(name: str) -> list[str]:
+    """Script, notebook, source, the files the recipe wrote for the reader, the launcher page."""
+    artifacts = [
+        label
+        for suffix, label in ARTIFACTS.items()
+        if (ROOT / "recipes" / f"{name}{suffix}").exists()
+    ]
+    return [
+        "Download script",
+        "Download notebook",
+        "View source",
+        *artifacts,
+        "How the ranks start",
+    ]
 
 
 def launcher_source() -> str:
@@ -374,8 +385,7 @@ def test_pages_in_a_browser(site):
     for report in reports[1:]:
         assert report.has_output, report.summary()
         assert report.run_stamp.startswith("Last executed"), report.summary()
+        name = Path(report.page).stem
         texts = [text for text, _, _ in report.header_links]
-        assert texts == ["Download script", "Download notebook", "View source"] + [
-            "How the ranks start"
-        ], report.summary()
+        assert texts == expected_header_links(name), report.summary()
         assert all(status == 200 for *_, status in report.header_links), report.summary()
