@@ -73,6 +73,10 @@ INSPECT_JS = """
     output_blocks: outputs.length,
     output_blocks_with_copy_button: outputs.filter((o) => o.querySelector("button.copybtn")).length,
     run_stamp: (document.querySelector("div.dcp-run-stamp") || {}).innerText || "",
+    footer_visible: (() => {
+      const footer = document.querySelector("footer.dcp-footer");
+      return footer !== null && footer.offsetHeight > 0;
+    })(),
     cookie_banners: [...document.querySelectorAll("[class*=cookie], [id*=cookie]")].filter(
       (el) => el.offsetParent !== null).length,
     header_links: [...document.querySelectorAll("div.dcp-page-links a[href]")].map(
@@ -135,6 +139,7 @@ class PageReport:
     output_blocks_with_copy_button: int  # should be 0: output is not for copying
     run_stamp: str  # text of the "Last executed" box, "" where there is none
     cookie_banners: int  # visible elements with "cookie" in their class or id: should be 0
+    footer_visible: bool  # the site's own footer is on screen at the bottom of the page
     # The links under a recipe's title (download script, notebook, view source), with the
     # HTTP status each one answered when the browser fetched it.
     header_links: list = field(default_factory=list)
@@ -187,7 +192,8 @@ class PageReport:
             f"  copies: {sum(c.ok for c in self.copies)}/{len(self.copies)} exact"
             + (f" via {self.copies[0].source}" if self.copies else ""),
             f"  screenshot {self.screenshot}, {self.seconds:.1f} s",
-            f"  cookie banners {self.cookie_banners}, header links {self.header_links}",
+            f"  cookie banners {self.cookie_banners}, footer visible {self.footer_visible},"
+            f" header links {self.header_links}",
         ]
         for check in self.copies:
             if not check.ok:
