@@ -308,3 +308,31 @@ def test_dry_run_prints_one_line_per_recipe_and_the_total(dry_run):
     assert re.fullmatch(r"total +\d+\.\d +1 passed, 1 failed, 1 skipped", table[4])
     # The failure's output is printed too, so a remote run's console shows why.
     assert "RuntimeError: this recipe fails on purpose" in result.stdout
+
+
+# --------------------------------------------------------------------------
+# make gpu-check: the python given, never the venv
+# --------------------------------------------------------------------------
+
+
+def test_make_gpu_check_runs_the_given_python_and_never_builds_the_venv():
+    if "\ngpu-check:" not in (ROOT / "Makefile").read_text():
+        pytest.skip("the Makefile has no gpu-check target yet")
+    env = dict(os.environ, DCP_RECIPES_WORLD_SIZE="1")
+    dry = subprocess.run(
+        [
+            "make",
+            "-n",
+            "-B",
+            "gpu-check",
+            "PY=/opt/elsewhere/bin/python3",
+        ],  # -B: a venv step would show
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "/opt/elsewhere/bin/python3 tools/gpu_check.py" in dry.stdout
+    assert "-m venv" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
