@@ -319,14 +319,9 @@ def test_make_gpu_check_runs_the_given_python_and_never_builds_the_venv():
     if "\ngpu-check:" not in (ROOT / "Makefile").read_text():
         pytest.skip("the Makefile has no gpu-check target yet")
     env = dict(os.environ, DCP_RECIPES_WORLD_SIZE="1")
+    # -n: print, run nothing; -B: everything counts as stale, so a venv step would show.
     dry = subprocess.run(
-        [
-            "make",
-            "-n",
-            "-B",
-            "gpu-check",
-            "PY=/opt/elsewhere/bin/python3",
-        ],  # -B: a venv step would show
+        ["make", "-n", "-B", "gpu-check", "PY=/opt/elsewhere/bin/python3"],
         cwd=ROOT,
         env=env,
         capture_output=True,
