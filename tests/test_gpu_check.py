@@ -331,3 +331,16 @@ def test_make_gpu_check_runs_the_given_python_and_never_builds_the_venv():
     assert dry.returncode == 0, dry.stderr
     assert "/opt/elsewhere/bin/python3 tools/gpu_check.py" in dry.stdout
     assert "-m venv" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
+
+
+def test_a_budget_for_the_whole_run_stops_a_recipe_and_runs_no_more(tmp_path):
+    out = tmp_path / "gpu-check"
+    recipes = f"{HANGING},{FAILING}"
+    args = ("--allow-cpu", "--budget", "2", "--recipes", recipes, "--out", str(out))
+    result = run_tool(*args)
+    assert result.returncode == 1, result.stdout + result.stderr
+    hanging, failing = json.loads((out / "summary.json").read_text())["recipes"]
+    assert hanging["status"] == "fail"
+    assert re.fullmatch(r"timed out after [\d.]+ s \(--budget\)", hanging["reason"])
+    assert failing["status"] == "skipped"
+    assert failing["reason"] == "not run: the --budget of 2 s is spent"

@@ -17,6 +17,10 @@ Without a GPU it refuses, with a one-line reason: a CPU run is not a GPU check.
 the summary. ``--assume-gpus N`` (only with ``--allow-cpu``, hidden) lets those
 tests check the world-size rule on a machine without GPUs.
 
+``--recipes a,b`` selects recipes, ``--timeout S`` bounds each (default 300),
+``--budget S`` the whole run (recipes after it is spent are reported, not run),
+``--fail-on-skip`` fails a recipe skipped for a missing module (CI, where all are installed).
+
 Exit status: 0 every selected recipe passed or was skipped; 1 a recipe failed;
 2 nothing ran (no GPU, too many ranks, no torch, an unknown recipe).
 """
@@ -296,22 +300,22 @@ def _exit_reason(code: int) -> str:
 
 
 def run_recipe(
-    python: str, path: Path, world_size: int, timeout: float, out_dir: Path, dry_run: bool
+    python: str,
+    path: Path,
+    world_size: int,
+    timeout: float,
+    out_dir: Path,
+    dry_run: bool,
+    timeout_flag: str = "--timeout",
 ) -> dict:
-    """Run one recipe as a plain script; its output goes to ``out_dir/<stem>.log``."""
+    """Run one recipe as a plain script; its output goes to ``out_dir/<stem>.log``.
+
+    ``timeout_flag`` names the option that set ``timeout`` (``--budget`` when the
+    run's total was what cut it short), for the reason a stopped recipe fails with.
+    """
     stem = path.stem
     log_path = out_dir / f"{stem}.log"
-    result = {
-        "recipe": stem,
-        "path": _shown(path),
-        "status": "fail",
-        "reason": None,
-        "exit_status": None,
-        "seconds": 0.0,
-        "log": log_path.name,
-        "summary_lines": [],
-        "leftovers": [],
-    }
+    result = _new_result(path, out_dir)
     if not path.is_file():
         log_path.write_text(f"gpu-check: no such file {path}\n")
         result["reason"] = "no such file (listed in dcp_site.RECIPE_ORDER?)"
@@ -377,7 +381,7 @@ def run_recipe(
             + (["processes still running after the recipe exited (stopped)"] if stray else [])
         )
         if timed_out:
-            result["reason"] = f"timed out after {timeout:g} s (--timeout)"
+            result["reason"] = f"timed out after {timeout:g} s ({timeout_flag})"
             with open(log_path, "a") as log:
                 log.write(f"\ngpu-check: {result['reason']}: stopped\n")
         elif code == 0:
@@ -389,6 +393,26 @@ def run_recipe(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def _new_result(path: Path, out_dir: Path) -> dict:
+    """A recipe's entry in summary.json, before it has passed."""
+    return {
+        "recipe": path.stem,
+        "path": _shown(path),
+        "status": "fail",
+        "reason": None,
+        "exit_status": None,
+        "seconds": 0.0,
+        "log": f"{path.stem}.log",
+        "summary_lines": [],
+        "leftovers": [],
+    }
+
+
+def _not_run(path: Path, out_dir: Path, reason: str) -> dict:
+    (out_dir / f"{path.stem}.log").write_text(f"gpu-check: {reason}\n")
+    return _new_result(path, out_dir) | {"status": "skipped", "reason": reason}
 
 
 def _shown(path: Path) -> str:
@@ -449,6 +473,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds each recipe may run before it is stopped (default {DEFAULT_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run: a recipe gets at most what is left, and recipes "
+        "after it is spent are not run (reported as skipped); default: no limit",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     parser.add_argument("--list", action="store_true", help="print the recipes it would run")
     parser.add_argument(
@@ -464,8 +494,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.assume_gpus is not None and not args.allow_cpu:
         parser.error("--assume-gpus is for the tool's tests and needs --allow-cpu")
-    if args.timeout <= 0:
-        parser.error("--timeout must be positive")
+    if args.timeout <= 0 or (args.budget is not None and args.budget <= 0):
+        parser.error("--timeout and --budget must be positive")
     return args
 
 
@@ -521,20 +551,33 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_info_from": driver_source,
         "world_size": world_size,
         "timeout_s": args.timeout,
+        "budget_s": args.budget,
         "summary_pattern": "lines starting with '<recipe stem>: ' (after an optional [rankN])",
         "recipes": [],
         "totals": {},
     }
     print(
         f"gpu-check: {len(recipes)} recipe(s) on {device}, torch {probe['torch']}, "
-        f"world size {world_size}, timeout {args.timeout:g} s each, python {python}; "
+        f"world size {world_size}, timeout {args.timeout:g} s each"
+        + (f", {args.budget:g} s in all" if args.budget else "")
+        + f", python {python}; "
         f"output in {_shown(out_dir)}",
         flush=True,
     )
     results = summary["recipes"]
+    started = time.monotonic()
     for index, path in enumerate(recipes, 1):
         print(f"gpu-check: [{index}/{len(recipes)}] {path.stem} ...", flush=True)
-        result = run_recipe(python, path, world_size, args.timeout, out_dir, args.allow_cpu)
+        left = None if args.budget is None else args.budget - (time.monotonic() - started)
+        if left is not None and left < 1:
+            result = _not_run(path, out_dir, f"not run: the --budget of {args.budget:g} s is spent")
+        else:
+            timeout, flag = args.timeout, "--timeout"
+            if left is not None and left < timeout:
+                timeout, flag = round(left, 1), "--budget"
+            result = run_recipe(
+                python, path, world_size, timeout, out_dir, args.allow_cpu, timeout_flag=flag
+            )
         if args.fail_on_skip and result["status"] == "skipped":
             result["status"] = "fail"
         results.append(result)
