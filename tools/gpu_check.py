@@ -462,7 +462,8 @@ def format_table(results: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="gpu-check", description=__doc__.split("\n\n")[0].strip("`")
+        prog="gpu-check",
+        description="Run every recipe as a plain script on this machine's GPUs (make gpu-check).",
     )
     parser.add_argument(
         "--recipes", help="comma-separated recipes to run (stems or file names); default: all"
