@@ -344,3 +344,47 @@ def test_a_budget_for_the_whole_run_stops_a_recipe_and_runs_no_more(tmp_path):
     assert re.fullmatch(r"timed out after [\d.]+ s \(--budget\)", hanging["reason"])
     assert failing["status"] == "skipped"
     assert failing["reason"] == "not run: the --budget of 2 s is spent"
+
+
+# --------------------------------------------------------------------------
+# The GPU path, with the machine faked (never from the command line)
+# --------------------------------------------------------------------------
+
+FAKE_PROBE = {
+    "torch": "2.11.0+cu128",
+    "cuda": "12.8",
+    "gpus": 2,
+    "names": ["NVIDIA H200", "NVIDIA H200"],
+    "driver": "CUDA driver API 12.8 (from torch)",
+}
+
+
+def test_gpu_names_and_driver_come_from_nvidia_smi_else_from_torch(monkeypatch):
+    monkeypatch.setenv("PATH", str(FIXTURES / "bin"))
+    gpus, source = gpu_check.gpu_descriptions(FAKE_PROBE)
+    assert source == "nvidia-smi"
+    assert gpus == [{"name": "NVIDIA H200", "driver": "570.86.15"}] * 2
+    monkeypatch.setenv("PATH", "")
+    gpus, source = gpu_check.gpu_descriptions(FAKE_PROBE)
+    assert source == "torch"
+    assert gpus == [{"name": "NVIDIA H200", "driver": "CUDA driver API 12.8 (from torch)"}] * 2
+
+
+def test_on_a_gpu_machine_the_summary_names_the_gpus_and_one_rank_each(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(gpu_check, "probe_torch", lambda python: FAKE_PROBE)
+    monkeypatch.setenv("PATH", str(FIXTURES / "bin") + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("DCP_RECIPES_WORLD_SIZE", raising=False)
+    out = tmp_path / "gpu-check"
+    code = gpu_check.main(["--recipes", f"{FAILING},{MISSING}", "--out", str(out)])
+    assert code == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device"] == "2 x NVIDIA H200"
+    assert summary["dry_run"] is False
+    assert summary["torch"] == "2.11.0+cu128" and summary["cuda"] == "12.8"
+    assert summary["gpus"] == [{"name": "NVIDIA H200", "driver": "570.86.15"}] * 2
+    assert summary["gpu_info_from"] == "nvidia-smi"
+    assert summary["world_size"] == 2
+    assert [r["status"] for r in summary["recipes"]] == ["fail", "skipped"]
+    assert "NOT a GPU check" not in capsys.readouterr().out

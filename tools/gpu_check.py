@@ -508,7 +508,6 @@ def _exit_on_sigterm(signum: int, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     python = sys.executable
     try:
         recipes = select_recipes(all_recipes(), args.recipes)
@@ -608,4 +607,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())
