@@ -514,16 +514,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             print("\n".join(_shown(p) for p in recipes))
             return 0
+        requested = os.environ.get(WORLD_SIZE_ENV)
+        if args.allow_cpu:  # the GPU count is the tests' (--assume-gpus), or none
+            world_size = plan_world_size(args.assume_gpus, requested)
         probe = probe_torch(python)
-        if args.allow_cpu:
-            gpus_for_rule = args.assume_gpus
-        elif probe["gpus"] == 0:
-            raise GpuCheckError(
-                f"no CUDA GPU visible to {python} (torch {probe['torch']}): this is not a GPU check"
-            )
-        else:
-            gpus_for_rule = probe["gpus"]
-        world_size = plan_world_size(gpus_for_rule, os.environ.get(WORLD_SIZE_ENV))
+        if not args.allow_cpu:
+            if probe["gpus"] == 0:
+                raise GpuCheckError(
+                    f"no CUDA GPU visible to {python} (torch {probe['torch']}): "
+                    "this is not a GPU check"
+                )
+            world_size = plan_world_size(probe["gpus"], requested)
     except GpuCheckError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
