@@ -1,0 +1,612 @@
+"""``make gpu-check``: run every recipe as a plain script on this machine's GPUs.
+
+Each recipe runs as ``python recipes_source/<recipe>.py`` with one rank per GPU
+(``DCP_RECIPES_WORLD_SIZE`` to use fewer), with the python that runs this tool:
+the one that has torch on this machine (``make gpu-check PY=/usr/bin/python3``).
+It needs no Sphinx. It writes ``_build/gpu-check/``: one ``<recipe>.log`` with
+each recipe's full output and one ``summary.json`` (each recipe's status,
+seconds and exit status, the torch version, the GPUs and their driver), and
+prints one line per recipe at the end. It exits non-zero if any recipe failed.
+
+The recipes come from ``dcp_site.RECIPE_ORDER``, then any
+``recipes_source/*_recipe.py`` or ``*_benchmark.py`` not in it yet. A recipe
+that imports a module this python lacks is skipped and says which module.
+
+Without a GPU it refuses, with a one-line reason: a CPU run is not a GPU check.
+``--allow-cpu`` is a CPU dry run for the tool's own tests, marked as such in
+the summary. ``--assume-gpus N`` (only with ``--allow-cpu``, hidden) lets those
+tests check the world-size rule on a machine without GPUs.
+
+``--recipes a,b`` selects recipes, ``--timeout S`` bounds each (default 300),
+``--budget S`` the whole run (recipes after it is spent are reported, not run),
+``--fail-on-skip`` fails a recipe skipped for a missing module (CI, where all are installed).
+
+Exit status: 0 every selected recipe passed or was skipped; 1 a recipe failed;
+2 nothing ran (no GPU, too many ranks, no torch, an unknown recipe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+import dcp_site  # noqa: E402  (importable without Sphinx: the one list of recipes)
+
+RECIPES_DIR = ROOT / dcp_site.SOURCE_DIR
+DEFAULT_OUT = ROOT / "_build" / "gpu-check"
+DEFAULT_TIMEOUT_S = 300.0
+WORLD_SIZE_ENV = "DCP_RECIPES_WORLD_SIZE"
+RECIPE_GLOBS = ("*_recipe.py", "*_benchmark.py")
+NOT_RECIPES = frozenset({"rank_launcher.py"})
+SUMMARY_JSON = "summary.json"
+DRY_RUN_DEVICE = "cpu (dry run)"
+# torch's own per-user folders in TMPDIR are not a recipe's leftovers.
+TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
+FAILED_LOG_LINES = 40
+TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+
+# Asked of the python that runs the recipes, in a child process: this tool never touches CUDA.
+_PROBE = r"""
+import json, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": 0, "names": [],
+        "driver": None}
+if torch.cuda.is_available():
+    info["gpus"] = torch.cuda.device_count()
+    info["names"] = [torch.cuda.get_device_name(i) for i in range(info["gpus"])]
+    try:
+        v = torch._C._cuda_getDriverVersion()
+        info["driver"] = f"CUDA driver API {v // 1000}.{v % 1000 // 10} (from torch)"
+    except Exception:
+        pass
+print(json.dumps(info))
+"""
+
+
+class GpuCheckError(Exception):
+    """Nothing can run: the message is the one-line reason."""
+
+
+# --------------------------------------------------------------------------
+# Which recipes
+# --------------------------------------------------------------------------
+
+
+def all_recipes(recipes_dir: Path = RECIPES_DIR, order=dcp_site.RECIPE_ORDER) -> list[Path]:
+    """RECIPE_ORDER first (listed files that are gone included: they fail), then new ones."""
+    listed = [recipes_dir / name for name in order]
+    new = sorted(
+        {p for pattern in RECIPE_GLOBS for p in recipes_dir.glob(pattern)}
+        - set(listed)
+        - {recipes_dir / name for name in NOT_RECIPES}
+    )
+    return listed + new
+
+
+def select_recipes(recipes: list[Path], wanted: str | None) -> list[Path]:
+    """``--recipes a,b``: stems or file names of recipes, or paths to scripts (tests)."""
+    if not wanted:
+        return recipes
+    by_name = {p.stem: p for p in recipes} | {p.name: p for p in recipes}
+    chosen = []
+    for name in (n.strip() for n in wanted.split(",")):
+        if not name:
+            continue
+        if name in by_name:
+            chosen.append(by_name[name])
+        elif name.endswith(".py") and Path(name).is_file():
+            chosen.append(Path(name).resolve())
+        else:
+            known = ", ".join(p.stem for p in recipes)
+            raise GpuCheckError(f"--recipes: no recipe {name!r} (known: {known})")
+    return chosen
+
+
+# --------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------
+
+
+def probe_torch(python: str) -> dict:
+    """torch's version and the GPUs it sees, asked of ``python`` in a child process."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE], capture_output=True, text=True, timeout=180, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise GpuCheckError(f"cannot ask {python} about torch: {exc}") from exc
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GpuCheckError(
+            f"{python} cannot import torch ({last}): run with a python that has torch, "
+            "e.g. make gpu-check PY=/usr/bin/python3"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_descriptions(probe: dict) -> tuple[list[dict], str]:
+    """Each GPU's name and driver: nvidia-smi's where it is present, else torch's."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            done = subprocess.run(
+                [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            gpus = []
+            for line in done.stdout.strip().splitlines():
+                name, _, driver = line.rpartition(",")
+                gpus.append({"name": name.strip(), "driver": driver.strip()})
+            if gpus:
+                return gpus, "nvidia-smi"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return [{"name": n, "driver": probe.get("driver")} for n in probe["names"]], "torch"
+
+
+def plan_world_size(gpus: int | None, requested: str | None) -> int:
+    """Ranks per recipe: one per GPU, or ``DCP_RECIPES_WORLD_SIZE``, never more than the GPUs.
+
+    ``gpus`` is None only in a CPU dry run, where any positive size goes (default 1).
+    """
+    if requested is None or requested.strip() == "":
+        return 1 if gpus is None else gpus
+    try:
+        size = int(requested)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise GpuCheckError(f"{WORLD_SIZE_ENV} must be a positive integer, got {requested!r}")
+    if gpus is not None and size > gpus:
+        raise GpuCheckError(
+            f"{WORLD_SIZE_ENV}={size} asks for more ranks than this machine has GPUs ({gpus}): "
+            "NCCL needs one GPU per rank"
+        )
+    return size
+
+
+# --------------------------------------------------------------------------
+# One recipe
+# --------------------------------------------------------------------------
+
+
+def _optional_imports(tree: ast.AST) -> set[int]:
+    """ids of import nodes inside ``try: ... except ImportError`` (or broader): optional."""
+    catching = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+    optional: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        names = set()
+        for handler in node.handlers:
+            kinds = handler.type
+            elts = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+            names |= {e.id if isinstance(e, ast.Name) else "BaseException" for e in elts if e}
+            if kinds is None:
+                names.add("BaseException")
+        if names & catching:
+            for stmt in node.body:
+                optional |= {id(n) for n in ast.walk(stmt)}
+    return optional
+
+
+def missing_modules(path: Path) -> list[str]:
+    """Top-level modules the script imports that this python cannot find (in source order)."""
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError):
+        return []  # running it reports that
+    optional = _optional_imports(tree)
+    tops: list[str] = []
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            tops += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops.append(node.module.split(".")[0])
+    missing = []
+    for top in dict.fromkeys(tops):
+        local = (path.parent / f"{top}.py").exists() or (RECIPES_DIR / f"{top}.py").exists()
+        if not local and importlib.util.find_spec(top) is None:
+            missing.append(top)
+    return missing
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+
+def missing_module_in_output(output: str) -> str | None:
+    """The module a failed run could not import, when its whole package is absent here.
+
+    A missing submodule of an installed package (``torch.distributed.foo``) is a
+    real failure (an API this torch lacks), not a skip.
+    """
+    for match in _NO_MODULE.finditer(output):
+        top = match.group(1).split(".")[0]
+        if (RECIPES_DIR / f"{top}.py").exists():
+            continue
+        if importlib.util.find_spec(top) is None:
+            return top
+    return None
+
+
+def summary_lines(stem: str, output: str) -> list[str]:
+    """The lines a recipe prints for this table: ``<stem>: ...`` (rank label allowed)."""
+    pattern = re.compile(rf"^(?:\[rank\d+\] )?{re.escape(stem)}: ")
+    return [line.rstrip() for line in output.splitlines() if pattern.match(line)]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop the recipe and everything it started (its ranks, DCP's checkpoint process).
+
+    SIGTERM first, so a recipe still running gets a chance to clean up; then SIGKILL to
+    whatever is left of its process group.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (exited ones awaiting their reaper don't)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: any member, even one that has exited
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        with_name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+        return f"killed by signal {with_name}"
+    return f"exit status {code}"
+
+
+def run_recipe(
+    python: str,
+    path: Path,
+    world_size: int,
+    timeout: float,
+    out_dir: Path,
+    dry_run: bool,
+    timeout_flag: str = "--timeout",
+) -> dict:
+    """Run one recipe as a plain script; its output goes to ``out_dir/<stem>.log``.
+
+    ``timeout_flag`` names the option that set ``timeout`` (``--budget`` when the
+    run's total was what cut it short), for the reason a stopped recipe fails with.
+    """
+    stem = path.stem
+    log_path = out_dir / f"{stem}.log"
+    result = _new_result(path, out_dir)
+    if not path.is_file():
+        log_path.write_text(f"gpu-check: no such file {path}\n")
+        result["reason"] = "no such file (listed in dcp_site.RECIPE_ORDER?)"
+        return result
+    missing = missing_modules(path)
+    if missing:
+        log_path.write_text(f"gpu-check: not run: {python} has no module {', '.join(missing)}\n")
+        result.update(status="skipped", reason=f"missing module {', '.join(missing)}")
+        return result
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"gpu-check-{stem}-"))
+    tmp, cwd = scratch / "tmp", scratch / "cwd"
+    tmp.mkdir()
+    cwd.mkdir()
+    env = dict(os.environ)
+    env.pop(dcp_site.STAMP_DIR_ENV, None)  # no run stamps: this is not the site build
+    for name in TORCHRUN_ENV:  # a plain script: the launcher must not think torchrun started it
+        env.pop(name, None)
+    env.update(
+        {
+            WORLD_SIZE_ENV: str(world_size),
+            "PYTHONUNBUFFERED": "1",
+            "MPLBACKEND": "Agg",
+            "TMPDIR": str(tmp),
+            "PYTHONPATH": os.pathsep.join(
+                [str(RECIPES_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            ),
+        }
+    )
+    if dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    start = time.monotonic()
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [python, str(path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,  # its own process group: stopped as a whole
+            )
+            try:
+                code = proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out, code = True, None
+            except BaseException:  # Ctrl-C, SIGTERM: its own session gets neither
+                _stop_group(proc)
+                raise
+            result["seconds"] = round(time.monotonic() - start, 2)
+            stray = not timed_out and _group_alive(proc.pid)
+            _stop_group(proc)
+            if timed_out:
+                code = proc.returncode
+        output = log_path.read_text(errors="replace")
+        result["exit_status"] = code
+        result["summary_lines"] = summary_lines(stem, output)
+        result["leftovers"] = sorted(
+            [f"TMPDIR/{p.name}" for p in tmp.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
+            + [f"cwd/{p.name}" for p in cwd.iterdir()]
+            + (["processes still running after the recipe exited (stopped)"] if stray else [])
+        )
+        if timed_out:
+            result["reason"] = f"timed out after {timeout:g} s ({timeout_flag})"
+            with open(log_path, "a") as log:
+                log.write(f"\ngpu-check: {result['reason']}: stopped\n")
+        elif code == 0:
+            result["status"] = "pass"
+        elif module := missing_module_in_output(output):
+            result.update(status="skipped", reason=f"missing module {module}")
+        else:
+            result["reason"] = _exit_reason(code)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def _new_result(path: Path, out_dir: Path) -> dict:
+    """A recipe's entry in summary.json, before it has passed."""
+    return {
+        "recipe": path.stem,
+        "path": _shown(path),
+        "status": "fail",
+        "reason": None,
+        "exit_status": None,
+        "seconds": 0.0,
+        "log": f"{path.stem}.log",
+        "summary_lines": [],
+        "leftovers": [],
+    }
+
+
+def _not_run(path: Path, out_dir: Path, reason: str) -> dict:
+    (out_dir / f"{path.stem}.log").write_text(f"gpu-check: {reason}\n")
+    return _new_result(path, out_dir) | {"status": "skipped", "reason": reason}
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _clear_previous(out_dir: Path) -> None:
+    """Remove the files an earlier run wrote (only those): no stale log passes for a new one."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*out_dir.glob("*.log"), out_dir / SUMMARY_JSON]:
+        old.unlink(missing_ok=True)
+
+
+def _write_summary(out_dir: Path, summary: dict) -> None:
+    path = out_dir / SUMMARY_JSON
+    path.with_suffix(".tmp").write_text(json.dumps(summary, indent=1) + "\n")
+    path.with_suffix(".tmp").replace(path)
+
+
+def format_table(results: list[dict]) -> str:
+    width = max([len("recipe")] + [len(r["recipe"]) for r in results])
+    lines = [f"{'recipe':<{width}}  {'seconds':>8}  result"]
+    for r in results:
+        verdict = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
+        extra = "".join(f"  | {line}" for line in r["summary_lines"])
+        lines.append(f"{r['recipe']:<{width}}  {r['seconds']:8.1f}  {verdict}{extra}")
+    total = sum(r["seconds"] for r in results)
+    counts = {s: sum(r["status"] == s for r in results) for s in ("pass", "fail", "skipped")}
+    lines.append(
+        f"{'total':<{width}}  {total:8.1f}  "
+        f"{counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gpu-check",
+        description="Run every recipe as a plain script on this machine's GPUs (make gpu-check).",
+    )
+    parser.add_argument(
+        "--recipes", help="comma-separated recipes to run (stems or file names); default: all"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds each recipe may run before it is stopped (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run: a recipe gets at most what is left, and recipes "
+        "after it is spent are not run (reported as skipped); default: no limit",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
+    parser.add_argument("--list", action="store_true", help="print the recipes it would run")
+    parser.add_argument(
+        "--fail-on-skip", action="store_true", help="a recipe skipped for a missing module fails"
+    )
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="CPU dry run, for this tool's own tests only: NOT a GPU check",
+    )
+    # Tests only: pretend this many GPUs for the world-size rule (needs --allow-cpu).
+    parser.add_argument("--assume-gpus", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.assume_gpus is not None and not args.allow_cpu:
+        parser.error("--assume-gpus is for the tool's tests and needs --allow-cpu")
+    if args.timeout <= 0 or (args.budget is not None and args.budget <= 0):
+        parser.error("--timeout and --budget must be positive")
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    # Raised inside the wait for a recipe: it stops the recipe's process group, which
+    # (in its own session) gets no signal meant for this tool.
+    sys.exit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    python = sys.executable
+    try:
+        recipes = select_recipes(all_recipes(), args.recipes)
+        if args.list:
+            print("\n".join(_shown(p) for p in recipes))
+            return 0
+        requested = os.environ.get(WORLD_SIZE_ENV)
+        if args.allow_cpu:  # the GPU count is the tests' (--assume-gpus), or none
+            world_size = plan_world_size(args.assume_gpus, requested)
+        probe = probe_torch(python)
+        if not args.allow_cpu:
+            if probe["gpus"] == 0:
+                raise GpuCheckError(
+                    f"no CUDA GPU visible to {python} (torch {probe['torch']}): "
+                    "this is not a GPU check"
+                )
+            world_size = plan_world_size(probe["gpus"], requested)
+    except GpuCheckError as exc:
+        print(f"gpu-check: {exc}", file=sys.stderr)
+        return 2
+
+    if args.allow_cpu:
+        device, gpus, driver_source = DRY_RUN_DEVICE, [], None
+    else:
+        gpus, driver_source = gpu_descriptions(probe)
+        device = f"{probe['gpus']} x {' / '.join(dict.fromkeys(probe['names']))}"
+    out_dir = args.out.resolve()
+    _clear_previous(out_dir)
+    summary = {
+        "device": device,
+        "dry_run": args.allow_cpu,
+        "complete": False,
+        "ok": None,
+        "started": _now(),
+        "finished": None,
+        "host": platform.node(),
+        "python": python,
+        "python_version": platform.python_version(),
+        "torch": probe["torch"],
+        "cuda": probe["cuda"],
+        "gpus": gpus,
+        "gpu_info_from": driver_source,
+        "world_size": world_size,
+        "timeout_s": args.timeout,
+        "budget_s": args.budget,
+        "summary_pattern": "lines starting with '<recipe stem>: ' (after an optional [rankN])",
+        "recipes": [],
+        "totals": {},
+    }
+    print(
+        f"gpu-check: {len(recipes)} recipe(s) on {device}, torch {probe['torch']}, "
+        f"world size {world_size}, timeout {args.timeout:g} s each"
+        + (f", {args.budget:g} s in all" if args.budget else "")
+        + f", python {python}; "
+        f"output in {_shown(out_dir)}",
+        flush=True,
+    )
+    results = summary["recipes"]
+    started = time.monotonic()
+    for index, path in enumerate(recipes, 1):
+        print(f"gpu-check: [{index}/{len(recipes)}] {path.stem} ...", flush=True)
+        left = None if args.budget is None else args.budget - (time.monotonic() - started)
+        if left is not None and left < 1:
+            result = _not_run(path, out_dir, f"not run: the --budget of {args.budget:g} s is spent")
+        else:
+            timeout, flag = args.timeout, "--timeout"
+            if left is not None and left < timeout:
+                timeout, flag = round(left, 1), "--budget"
+            result = run_recipe(
+                python, path, world_size, timeout, out_dir, args.allow_cpu, timeout_flag=flag
+            )
+        if args.fail_on_skip and result["status"] == "skipped":
+            result["status"] = "fail"
+        results.append(result)
+        verdict = result["status"] + (f" ({result['reason']})" if result["reason"] else "")
+        print(f"gpu-check: [{index}/{len(recipes)}] {path.stem}: {verdict}, {result['seconds']} s")
+        if result["status"] == "fail":
+            tail = (out_dir / result["log"]).read_text(errors="replace").splitlines()
+            print(f"----- last {FAILED_LOG_LINES} lines of {result['log']} -----")
+            print("\n".join(tail[-FAILED_LOG_LINES:]))
+            print("-----", flush=True)
+        _write_summary(out_dir, summary)
+
+    failed = [r["recipe"] for r in results if r["status"] == "fail"]
+    summary["totals"] = {
+        "pass": sum(r["status"] == "pass" for r in results),
+        "fail": len(failed),
+        "skipped": sum(r["status"] == "skipped" for r in results),
+        "seconds": round(sum(r["seconds"] for r in results), 2),
+    }
+    summary.update(complete=True, ok=not failed, finished=_now())
+    _write_summary(out_dir, summary)
+    print()
+    print(format_table(results))
+    if args.allow_cpu:
+        print("gpu-check: a CPU dry run (--allow-cpu): this was NOT a GPU check")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    sys.exit(main())
