@@ -13,9 +13,11 @@ HOST        ?= 127.0.0.1
 PORT        ?= 8000
 # Where a CPU wheel of torch lies on disk, pip takes it instead of a CUDA build.
 WHEELS      := $(wildcard /opt/wheels)
+# gpu-check runs a bare PY=python3 from this PATH, not the venv's (it must not need the venv).
+SYSTEM_PATH := $(PATH)
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv html html-noplot test lint pytest serve bench clean browser-deps
+.PHONY: help venv html html-noplot test lint pytest serve bench gpu-check clean browser-deps
 
 help:
 	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
@@ -24,6 +26,7 @@ help:
 	@echo "make lint         lintrunner --all-files"
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
 	@echo "make bench        the checkpoint-stall benchmark at full size"
+	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"
 	@echo "make clean        remove build output"
 	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
 
@@ -68,6 +71,16 @@ serve: $(READY)
 
 bench: $(READY)
 	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
+
+# Every recipe as a plain script, one rank per GPU (DCP_RECIPES_WORLD_SIZE=N for fewer), into
+# $(BUILD)/gpu-check/. It needs torch, not Sphinx, and never builds the venv: it runs with PY
+# when given on the command line (make gpu-check PY=/usr/bin/python3), else the venv's python
+# if there is one, else python3. GPU_CHECK_ARGS passes options (--recipes a,b --timeout 120).
+GPU_CHECK_PY = $(if $(or $(filter command line,$(origin PY)),$(wildcard $(PY))),$(PY),python3)
+
+gpu-check:
+	@echo "$(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)"
+	@PATH='$(SYSTEM_PATH)' $(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(BUILD) recipes

@@ -320,6 +320,7 @@ def test_workflows_parse_and_run_make_test():
             commands += [step.get("run", "") for step in job["steps"]]
     assert any("make test" in c for c in commands), "CI runs make test"
     assert any("make html" in c for c in commands), "a job builds the site"
+    assert any("make gpu-check" in c for c in commands), "the GPU job runs make gpu-check"
 
 
 def copy_site(tmp_path: Path) -> Path:
