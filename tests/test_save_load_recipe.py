@@ -126,3 +126,26 @@ def test_a_bad_world_size_is_a_clear_error(recipe_runner):
     assert result.returncode != 0
     assert "DCP_RECIPES_WORLD_SIZE must be a positive integer, got '0'" in result.stderr
     assert recipe_runner.leftovers() == []
+
+
+def test_ranks_that_disagree_on_the_directory_get_the_real_errors(recipe_runner):
+    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    # Nothing fails at save time; only rank 0's directory has the index.
+    assert "[rank0] saved into rank0-only: ['.metadata', '__0_0.distcp']" in output
+    assert "[rank1] saved into rank1-only: ['__1_0.distcp']" in output
+    # All ranks load rank 0's path: rank 1's shards are not there.
+    assert re.search(
+        r"\[rank0\] every rank loads rank 0's directory: CheckpointException\n"
+        r"\[rank0\]   rank 0: FileNotFoundError: \[Errno 2\] No such file or directory: "
+        r"'\.\.\./rank0-only/__1_0\.distcp'\n"
+        r"\[rank0\]   rank 1: FileNotFoundError: .*'\.\.\./rank0-only/__1_0\.distcp'\n",
+        output,
+    ), output[-3000:]
+    # Each rank loads its own path: rank 0 finds its .metadata, rank 1 finds none.
+    assert re.search(
+        r"\[rank0\] every rank loads its own directory: CheckpointException\n"
+        r"\[rank0\]   rank 1: AssertionError: metadata is None; global metadata read failed: "
+        r".*'\.\.\./rank1-only/\.metadata'.*\n\[rank(?!0\]   rank)",
+        output,
+    ), output[-3000:]
+    assert "Traceback" not in output and "Global metadata is not found" not in output
