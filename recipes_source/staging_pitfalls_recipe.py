@@ -566,7 +566,7 @@ run_on_ranks(run_loop, stage_buffers_at_save_call, True)
 # Uploads in flight at the same time also run their collectives at the same
 # time. On one process group they could pair up wrongly between ranks (a hang,
 # or one save's plan handed to the other), so in this broken loop each save
-# gets a group of its own; the fixed loop needs only one.
+# gets a group of its own; the fixed loop below needs only one.
 
 
 def next_save_before_upload(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
@@ -596,6 +596,14 @@ def next_save_before_upload(model, optimizer, data, stager, checkpoint_dir, save
         upload.result()
 
 
+run_on_ranks(run_loop, next_save_before_upload)
+
+
+# %%
+# The fix: wait for the previous upload right before the next save. The
+# upload still overlaps training, all the steps between two saves.
+
+
 def wait_for_upload_before_next_save(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
     previous = None
     for save in range(saves):
@@ -620,12 +628,7 @@ def wait_for_upload_before_next_save(model, optimizer, data, stager, checkpoint_
     previous.upload_completion.result()
 
 
-def reused_stager():
-    run_loop(next_save_before_upload)
-    run_loop(wait_for_upload_before_next_save)
-
-
-run_on_ranks(reused_stager)
+run_on_ranks(run_loop, wait_for_upload_before_next_save)
 
 
 # %%
@@ -668,6 +671,13 @@ def progress_updated_after_save(model, optimizer, data, stager, checkpoint_dir, 
         response.upload_completion.result()
 
 
+run_on_ranks(run_loop, progress_updated_after_save)
+
+
+# %%
+# The fix: a copy of the dict at the save call, ``dict(progress)``.
+
+
 def progress_copied_at_save_call(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
     progress = {"step": 1, "samples_seen": BATCH}
     for save in range(saves):
@@ -694,12 +704,7 @@ def progress_copied_at_save_call(model, optimizer, data, stager, checkpoint_dir,
         response.upload_completion.result()
 
 
-def python_values():
-    run_loop(progress_updated_after_save)
-    run_loop(progress_copied_at_save_call)
-
-
-run_on_ranks(python_values)
+run_on_ranks(run_loop, progress_copied_at_save_call)
 
 
 # %%
