@@ -66,6 +66,11 @@ def page() -> str:
     return PAGE.read_text()
 
 
+def prose() -> str:
+    """The page with every run of whitespace as one space: prose wraps anywhere."""
+    return " ".join(page().split())
+
+
 def pattern(block: str) -> re.Pattern:
     """A quoted block as a regex: ``...`` for what varies, everything else literal."""
     lines = []
@@ -106,10 +111,9 @@ def test_quotes_are_not_so_loose_that_anything_matches(run):
 
 
 def test_inline_quoted_errors_are_what_dcp_raises(run):
-    text = " ".join(page().split())  # inline quotes may wrap across lines
     for name in INLINE_QUOTED:
         message = run.quotes[name][0]
-        assert f"`{message}`" in text, f"{message!r} is not quoted on the page"
+        assert f"`{message}`" in prose(), f"{message!r} is not quoted on the page"
 
 
 def test_a_torn_checkpoint_is_what_the_page_says(run):
@@ -117,20 +121,20 @@ def test_a_torn_checkpoint_is_what_the_page_says(run):
     assert run.facts["torn files rank0"] == "['__0_0.distcp', '__1_0.distcp']"
     assert run.facts["except Exception caught it"] == "False"
     assert not issubclass(CheckpointException, Exception)
-    assert "`CheckpointException` derives from `BaseException`" in page()
+    assert "`CheckpointException` derives from `BaseException`" in prose()
 
 
 def test_a_reused_directory_looks_complete_while_torn(run):
     for rank in (0, 1):
         assert run.facts[f"reused has .metadata rank{rank}"] == "True"
         assert run.facts[f"reused loads the torn save rank{rank}"] == "True"
-    assert "Never reuse a checkpoint directory" in page()
+    assert "Never reuse a checkpoint directory" in prose()
 
 
 def test_without_collectives_every_rank_writes_its_own_metadata(run):
     files = run.facts["use_collectives=False files"]
     assert files == "['__0.metadata', '__0_0.distcp', '__1.metadata', '__1_0.distcp']"
-    assert "`__0.metadata`, `__1.metadata`, ... (one per\nrank) and no `.metadata`" in page()
+    assert "`__0.metadata`, `__1.metadata`, ... (one per rank) and no `.metadata`" in prose()
 
 
 def test_directories_that_differ_and_replicated_tensors_that_hide_it(run):
@@ -143,7 +147,7 @@ def test_directories_that_differ_and_replicated_tensors_that_hide_it(run):
 
 def test_the_stated_timeouts_are_torch_defaults():
     assert torch.distributed.constants.default_pg_timeout == datetime.timedelta(minutes=30)
-    assert "gloo's default timeout is 30 minutes" in page()
+    assert "gloo's default timeout is 30 minutes" in prose()
 
 
 def test_pattern_helper():
