@@ -43,6 +43,7 @@ you can paste into a training script started with ``torchrun``.
 # its own file into it, and rank 0 writes the ``.metadata`` index. On several
 # machines that means a shared file system. Here it is a temporary directory.
 
+import logging
 import os
 import subprocess
 import sys
@@ -53,6 +54,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -342,6 +344,48 @@ run_on_one_process(convert_back_to_dcp, TORCH_SAVE_PATH, ROUND_TRIP_DIR)
 # with the same check as before:
 
 run_on_ranks(load_and_verify, ROUND_TRIP_DIR, saved_state)
+
+
+# %%
+# When ranks disagree on the directory
+# ------------------------------------
+# Every rank must pass the same ``checkpoint_id``. A path that each rank
+# computes for itself (a ``tempfile.mkdtemp()``, a timestamp, the host name)
+# breaks that, and nothing fails at save time: each rank writes its shards
+# into its own directory, and only rank 0's gets a ``.metadata``. The errors
+# come at load time, as a ``CheckpointException`` that lists each failing
+# rank's error. It derives from ``BaseException``, so ``except Exception``
+# does not catch it: catch it by name. Below, each rank saves into a
+# directory of its own, then every rank loads rank 0's directory, then its own.
+# The fix is one path for all ranks: derive it from what they agree on (the
+# run name and step), or choose it on rank 0 and broadcast it
+# (:doc:`/troubleshooting` has the code).
+
+
+def save_and_load_where_ranks_disagree(work_dir):
+    rank = dist.get_rank()
+    model, optimizer = build_sharded_model(seed=0)
+    state_dict = {"app": AppState(model, optimizer)}
+    own_dir = os.path.join(work_dir, f"rank{rank}-only")  # BUG: a path per rank
+    dcp.save(state_dict, checkpoint_id=own_dir)
+    print(f"saved into {os.path.basename(own_dir)}: {sorted(os.listdir(own_dir))}")
+    rank0_dir = os.path.join(work_dir, "rank0-only")
+    logging.disable(logging.WARNING)  # DCP also logs each failed read, with a traceback
+    for what, path in [("rank 0's directory", rank0_dir), ("its own directory", own_dir)]:
+        try:
+            dcp.load(state_dict, checkpoint_id=path)
+            outcome = ["loaded"]
+        except CheckpointException as error:  # a BaseException: name it
+            outcome = [type(error).__name__] + [
+                f"  rank {failed}: {type(exc).__name__}: {exc}"
+                for failed, (exc, _) in sorted(error.failures.items())
+            ]
+        if rank == 0:  # every rank sees the same outcome
+            print(f"every rank loads {what}:", "\n".join(outcome).replace(work_dir, "..."))
+    logging.disable(logging.NOTSET)
+
+
+run_on_ranks(save_and_load_where_ranks_disagree, WORK_DIR)
 
 
 # %%

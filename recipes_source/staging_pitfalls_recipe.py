@@ -8,22 +8,21 @@ been copied: a background thread copies ("stages") the live tensors while the
 next forward and backward pass run. The contract is that nothing may change
 what is being copied until ``staging_completion`` resolves, and the usual
 advice, "wait for ``staging_completion`` right before ``optimizer.step()``",
-covers only the optimizer. This recipe runs four ways a training loop breaks
-the contract, shows what each writes into the checkpoint, and proves each fix
-bit for bit.
+covers only the optimizer. This recipe runs four training loops that break
+the contract, shows what each writes into its checkpoints, and proves each
+fix bit for bit.
 
 .. grid:: 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * Check that a checkpoint holds the state at the save call, by comparing
-         it with a copy taken at the call
        * Four hazards of overlapped staging: stepping early, a forward pass
          that updates buffers (BatchNorm), a reused stager's buffer overwritten
          by the next save, and Python values changed after the save call
-       * The fix for each, proven bit-exact over repeated trials
-       * How to make a race land the same way every time, without faking it
+       * The loop that fixes each one, proven bit-exact at every save
+       * Where a GPU loop must synchronise before ``async_save``, and why
+       * How often each race hits when nothing decides it
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -42,99 +41,43 @@ measured when this page was built, on the machine named at the top of the page.
 # %%
 # Setup
 # -----
-# The staging options depend on the machine. The defaults (pinned memory,
-# shared memory, non-blocking copies on a side stream) need an accelerator; on
-# a CPU-only machine keep only ``use_async_staging``, which is what this page
-# is about: the copy runs in a background thread. (The ranks choose; the
-# process that launches them never touches the GPU.)
+# One rule for the staging options on every page of this site, chosen from the
+# machine. On a GPU, pinned memory and non-blocking copies speed up the copy
+# from the device; on a CPU-only machine they do not apply (and
+# non-blocking copies raise without an accelerator). Shared memory serves only
+# a checkpoint *process*; this page uploads from a thread. What this page is
+# about is ``use_async_staging=True``: the copy runs in a background thread.
+#
+# .. versionadded:: 2.9
+#    ``DefaultStager``, ``StagingOptions`` and ``AsyncSaveResponse``.
 
-import copy
 import functools
 import os
 import shutil
-import statistics
-import threading
-import time
-import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from rank_launcher import run_on_ranks, shared_tempdir
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 WORK_DIR = shared_tempdir("dcp-staging-pitfalls-")
-TRIALS = 5  # every demonstration and every fix runs this many times
+SAVES = 5  # every loop below saves this many times
 
 
 def staging_options():
-    if torch.accelerator.is_available():
-        return StagingOptions()  # pinned + shared memory, async, non-blocking copies
+    on_gpu = torch.accelerator.is_available()
     return StagingOptions(
-        use_pinned_memory=False,
-        use_shared_memory=False,
+        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
+        use_shared_memory=False,  # only a checkpoint *process* reads shared memory in place
         use_async_staging=True,
-        use_non_blocking_copy=False,
+        use_non_blocking_copy=on_gpu,
     )
 
 
 print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
-
-
-# %%
-# Did the checkpoint capture the state at the save call?
-# ------------------------------------------------------
-# The test this page applies to every checkpoint: take a deep copy of the
-# state dict at the save call (the snapshot), let the loop run on, wait for
-# the upload, read the checkpoint back and compare every tensor and value with
-# the snapshot, bit for bit. ``dcp.load`` reads in place, so it gets blank
-# tensors of the right shapes (NaN or -1, never a value the state could hold by
-# accident) and ``None`` where a plain Python value goes.
-
-
-def blank_like(value):
-    if isinstance(value, dict):
-        return {key: blank_like(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [blank_like(item) for item in value]
-    if isinstance(value, torch.Tensor):
-        return torch.full_like(value, float("nan") if value.is_floating_point() else -1)
-    return None
-
-
-def flatten(value, prefix=""):
-    """{"model.0.weight": tensor, ...}: every leaf of a nested state dict, by name."""
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
-        items = enumerate(value)
-    else:
-        return {prefix.rstrip("."): value}
-    leaves = {}
-    for key, item in items:
-        leaves.update(flatten(item, f"{prefix}{key}."))
-    return leaves
-
-
-def differences(snapshot, checkpoint_path):
-    """(names that differ, what was compared) between a snapshot and a checkpoint."""
-    loaded = blank_like(snapshot)
-    with warnings.catch_warnings():
-        # DCP warns that it assumes a single process even when no_dist=True says so.
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(loaded, checkpoint_id=checkpoint_path, no_dist=True)
-    expected, actual = flatten(snapshot), flatten(loaded)
-    differ = []
-    for name, value in expected.items():
-        same = torch.equal(value, actual[name]) if torch.is_tensor(value) else value == actual[name]
-        if not same:
-            differ.append(name)
-    tensors = sum(torch.is_tensor(value) for value in expected.values())
-    return differ, f"{len(expected)} entries ({tensors} tensors)"
 
 
 # %%
@@ -198,127 +141,239 @@ def checkpoint_group(index=0):
     return dist.new_group(backend="gloo")
 
 
-example_model = make_model(batch_norm_first=True)
-print(example_model)
-print(torch.optim.Adam(example_model.parameters(), lr=1e-2))
+print(make_model(batch_norm_first=True))
 
 
 # %%
-# Making a race land the same way every time
+# Running a loop, and checking what it saved
 # ------------------------------------------
+# Each loop below is a few steps of training with a save at every step, as
+# you would write it (a real loop saves every few hundred steps; here every
+# step, to have ``SAVES`` checkpoints to check). ``run_loop`` gives it a
+# model with one step of training behind it (so that Adam has state), a data
+# stream, and one ``DefaultStager`` reused for every save, as it should be:
+# the stager keeps its host buffers from one save to the next. The loop then
+# runs on every rank.
+#
+# How this page checks a loop: at every save call the build records a deep
+# copy of the state (the snapshot); after the loop, rank 0 reads every
+# checkpoint back and compares each entry with its snapshot, bit for bit.
 # Whether a hazard corrupts a checkpoint depends on which thread gets there
-# first: the staging thread copying a tensor, or the training thread changing
-# it. That depends on the size of the state, the load on the machine and the
-# thread scheduler, so with this page's small model some hazards show only
-# now and then (the last section counts how often). A page, or a test, that
-# shows a bug only sometimes proves nothing, so the demonstrations below
-# decide the race explicitly:
+# first, the staging thread copying a tensor or the training thread changing
+# it, so with this page's small model some hazards show only now and then. A
+# page that shows a bug only sometimes proves nothing, so the build also
+# decides the race: a wrapper around the stager starts ``DefaultStager``'s own
+# copy (for hazard 3, a checkpoint's writes) at a chosen line of the loop.
+# In a hazard that is right after the line that changes the state, as happens
+# whenever staging is slower than the loop (a large model on a busy host); in
+# a fix, the worst moment the fix allows. That code serves the page only: it
+# is hidden here and in the notebook, and runs in the build and in the ``.py``
+# download. Without it, every loop below runs exactly as shown, nothing held;
+# the last section runs the broken ones that way and counts how often they hit.
+
+# sphinx_gallery_start_ignore
+# Everything between these markers serves the page only: Sphinx-Gallery runs
+# it in the build (and keeps it in the .py download) but shows it neither on
+# the page nor in the notebook. Without it, every loop below runs as shown,
+# with nothing held and nothing checked.
 #
-# * ``HeldStager`` wraps the real ``DefaultStager``. ``stage`` returns at once,
-#   as async staging does, but it hands the state dict to the real stager only
-#   when the training loop calls ``let_copy_start()``. The copy itself, its
-#   thread, its cached buffers and the futures ``async_save`` returns are all
-#   ``DefaultStager``'s; the wrapper only chooses *when* the copy starts.
-# * ``HeldWriter`` does the same for the upload: a ``FileSystemWriter`` that
-#   starts writing only when the loop calls ``let_write_start()``.
+# The check: at every save call the loop records a deep copy of the state
+# (the snapshot); afterwards rank 0 reads every checkpoint back
+# (no_dist=True: one process reads all ranks' files) and compares each entry
+# with the snapshot, bit for bit. dcp.load reads in place, so it gets blank
+# tensors (NaN or -1, never a value the state could hold by accident) and
+# None where a Python value goes.
 #
-# In a hazard, the loop calls ``let_copy_start()`` right after the operation
-# that changes the state, so the copy sees the change every time (as it does
-# whenever staging is slower than the loop, for example with a large model on
-# a busy host). In a fix, the loop calls it at the worst moment the fix
-# allows: at the same point, or, where the fix waits for staging before that
-# point, right before the wait. The lines that drive the hold are marked
-# ``# demo``; a real loop has none of them. With ``hold=False`` the wrappers
-# pass everything straight through.
+# The hold: HeldStager wraps the real DefaultStager and decides when its copy
+# starts (stage() returns at once, as async staging does, and hands the state
+# to DefaultStager.stage only at let_copy_start()), and when a checkpoint's
+# upload starts writing (FileSystemWriter.write_data waits for
+# let_writes_start()). The copy, its thread, its cached buffers, the upload
+# and the futures async_save returns are all DCP's; the hold only chooses
+# when they start.
+
+import copy
+import statistics
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
+
+HOLD = True  # the race-counting section at the end turns the hold off
+LOOPS_LEFT_TO_CHANCE_SAVE = 8  # saves per loop there
+
+# label: (what is held, the outcome the page proves with the hold)
+EXPECTED = {
+    "wait_before_step": ("copies", "bit-exact"),
+    "step_before_staging": ("copies", "torn"),
+    "wait_before_step_with_batch_norm": ("copies", "torn"),
+    "wait_before_forward": ("copies", "bit-exact"),
+    "stage_buffers_at_save_call": ("copies", "bit-exact"),
+    "next_save_before_upload": ("writes", "torn"),
+    "wait_for_upload_before_next_save": ("writes", "bit-exact"),
+    "progress_updated_after_save": ("copies", "torn"),
+    "progress_copied_at_save_call": ("copies", "bit-exact"),
+}
+# The last save of a loop has no next save that could overwrite its buffers.
+NEEDS_A_NEXT_SAVE = {"next_save_before_upload", "wait_for_upload_before_next_save"}
+COUNTS = {}  # label -> entries that differ, per checkpoint, of the last run of the loop
+_held_writes = {}  # checkpoint path -> threading.Event: its upload writes once set
+_file_system_write_data = FileSystemWriter.write_data
+
+
+def _write_data_when_let(writer, plan, planner):
+    gate = _held_writes.get(os.path.abspath(os.fspath(writer.path)))
+    if gate is not None:
+        gate.wait()
+    return _file_system_write_data(writer, plan, planner)
+
+
+FileSystemWriter.write_data = _write_data_when_let
 
 
 class HeldStager(AsyncStager):
-    """Demo only: a stager whose real copy starts when the training loop says so."""
+    """Page only: DefaultStager, with the start of its copy and of uploads held."""
 
-    def __init__(self, stager, hold=True):
-        self.stager, self.hold = stager, hold
+    def __init__(self, stager, hold_copies=False, hold_writes=False):
+        self.stager, self.hold_copies, self.hold_writes = stager, hold_copies, hold_writes
+        self.snapshots = []  # (state at the save call, checkpoint path)
         self._copy_may_start = threading.Event()
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-stager")
+        self._gates = {}
+
+    def snapshot(self, state, path):
+        self.snapshots.append((copy.deepcopy(state), path))
+        if self.hold_writes:
+            self._gates[path] = _held_writes[os.path.abspath(path)] = threading.Event()
 
     def stage(self, state_dict):
-        if not self.hold:
+        if not self.hold_copies:
             return self.stager.stage(state_dict)
         self._copy_may_start = copy_may_start = threading.Event()
 
-        def copy_when_released():
+        def copy_when_let():
             copy_may_start.wait()
             staged = self.stager.stage(state_dict)  # DefaultStager's own copy
             return staged.result() if isinstance(staged, Future) else staged
 
-        return self._waiter.submit(copy_when_released)
+        return self._waiter.submit(copy_when_let)
 
     def let_copy_start(self):
-        if self.hold:
+        if self.hold_copies:
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the change has happened on the device
             self._copy_may_start.set()
 
+    def let_writes_start(self, keep=None):
+        """Let every held upload write, except the one of checkpoint ``keep``."""
+        for path, gate in self._gates.items():
+            if path != keep:
+                gate.set()
+
     def close(self):
         self._copy_may_start.set()
+        self.let_writes_start()
         self._waiter.shutdown(wait=True)
         self.stager.close()
+        for path in self._gates:
+            _held_writes.pop(os.path.abspath(path), None)
 
 
-class HeldWriter(FileSystemWriter):
-    """Demo only: a FileSystemWriter that writes when the training loop says so."""
-
-    def __init__(self, path, hold=True):
-        super().__init__(path)
-        self._write_may_start = threading.Event()
-        if not hold:
-            self._write_may_start.set()
-
-    def write_data(self, plan, planner):
-        self._write_may_start.wait()
-        return super().write_data(plan, planner)
-
-    def let_write_start(self):
-        self._write_may_start.set()
+def blank_like(value):
+    if isinstance(value, dict):
+        return {key: blank_like(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [blank_like(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, float("nan") if value.is_floating_point() else -1)
+    return None
 
 
-# %%
-# Each demonstration below is one function: the lines of a training loop
-# around one save, exactly as they run, returning the snapshot taken at the
-# save call and the checkpoint's path. ``run_trials`` runs it several times in
-# one short training run (one warm-up step first, so that Adam has state),
-# with one stager reused for every save, as it should be (it caches its host
-# buffers). After each trial rank 0 reads the whole checkpoint back
-# (``no_dist=True``: one process reads every rank's files), counts the entries
-# that differ from the snapshot, and checks the outcome the demonstration
-# expects: ``"bit-exact"`` for a fix, ``"torn"`` for a hazard.
+def flatten(value, prefix=""):
+    """{"model.0.weight": tensor, ...}: every leaf of a nested state dict, by name."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        items = enumerate(value)
+    else:
+        return {prefix.rstrip("."): value}
+    leaves = {}
+    for key, item in items:
+        leaves.update(flatten(item, f"{prefix}{key}."))
+    return leaves
 
 
-def run_trials(case, expect, batch_norm_first=False, hold=True, trials=TRIALS):
+def differences(snapshot, checkpoint_path):
+    """(names that differ, what was compared) between a snapshot and a checkpoint."""
+    loaded = blank_like(snapshot)
+    with warnings.catch_warnings():
+        # DCP warns that it assumes a single process even when no_dist=True says so.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(loaded, checkpoint_id=checkpoint_path, no_dist=True)
+    expected, actual = flatten(snapshot), flatten(loaded)
+    differ = []
+    for name, value in expected.items():
+        same = torch.equal(value, actual[name]) if torch.is_tensor(value) else value == actual[name]
+        if not same:
+            differ.append(name)
+    tensors = sum(torch.is_tensor(value) for value in expected.values())
+    return differ, f"{len(expected)} entries ({tensors} tensors)"
+
+
+def loop_label(loop, batch_norm_first):
+    with_batch_norm = f"{loop.__name__}_with_batch_norm"
+    return with_batch_norm if batch_norm_first and with_batch_norm in EXPECTED else loop.__name__
+
+
+def report(label, stager):
+    """Rank 0 compares every checkpoint with its snapshot; returns the counts."""
+    if dist.get_rank() != 0:
+        return None
+    snapshots = stager.snapshots[:-1] if label in NEEDS_A_NEXT_SAVE else stager.snapshots
+    counts, example = [], []
+    for snapshot, path in snapshots:
+        differ, compared = differences(snapshot, path)
+        counts.append(len(differ))
+        example = example or differ
+    if HOLD:
+        expect = EXPECTED[label][1]
+        torn = sum(count > 0 for count in counts)
+        verdict = {0: "bit-exact every time", len(counts): "not the saved state, every time"}
+        print(f"{label:<34} {counts} of {compared} differ: {verdict.get(torn)}")
+        if example:
+            print(f"{'':<34} e.g. {', '.join(example[:3])}{', ...' if len(example) > 3 else ''}")
+        assert torn == (0 if expect == "bit-exact" else len(counts)), (label, counts)
+    return counts
+
+
+# sphinx_gallery_end_ignore
+
+
+def run_loop(loop, batch_norm_first=False, checkpoints_under=WORK_DIR):
     model, optimizer = build_model(batch_norm_first)
     data = batches()
     train_step(model, optimizer, next(data))
-    stager = HeldStager(DefaultStager(staging_options()), hold=hold)
-    counts, example = [], []
+    stager = DefaultStager(staging_options())  # after the launcher's torch.cuda.set_device
+    name = f"{loop.__name__}-with-batch-norm" if batch_norm_first else loop.__name__
+    checkpoint_dir = os.path.join(checkpoints_under, name)  # one new directory per save in it
+    # sphinx_gallery_start_ignore
+    label = loop_label(loop, batch_norm_first)
+    held = EXPECTED[label][0] if HOLD else None
+    stager = HeldStager(stager, hold_copies=held == "copies", hold_writes=held == "writes")
+    saves = SAVES if HOLD else LOOPS_LEFT_TO_CHANCE_SAVE
+    saves += label in NEEDS_A_NEXT_SAVE
+    loop = functools.partial(loop, saves=saves)
+    # sphinx_gallery_end_ignore
     try:
-        for trial in range(trials):
-            workdir = os.path.join(WORK_DIR, f"{case.__name__}-{hold}-{trial}")
-            snapshot, path = case(model, optimizer, data, stager, workdir)
-            if dist.get_rank() == 0:
-                differ, compared = differences(snapshot, path)
-                counts.append(len(differ))
-                example = example or differ
+        loop(model, optimizer, data, stager, checkpoint_dir)
     finally:
         stager.close()
-    if dist.get_rank() != 0:
-        return None
-    torn = sum(count > 0 for count in counts)
-    if expect is not None:
-        verdict = {0: "bit-exact every time", trials: "not the saved state, every time"}
-        print(f"{case.__name__:<34} {counts} of {compared} differ: {verdict.get(torn)}")
-        if example:
-            print(f"{'':<34} e.g. {', '.join(example[:3])}{', ...' if len(example) > 3 else ''}")
-        assert torn == (0 if expect == "bit-exact" else trials), (case.__name__, counts)
-    return counts
+    # sphinx_gallery_start_ignore
+    COUNTS[label] = report(label, stager)
+    # sphinx_gallery_end_ignore
 
 
 # %%
@@ -326,30 +381,46 @@ def run_trials(case, expect, batch_norm_first=False, hold=True, trials=TRIALS):
 # ------------------------------------------------------------------
 # The loop from the DefaultStager recipe: save, run the next forward and
 # backward while staging runs, wait for ``staging_completion`` right before
-# ``optimizer.step()``, the first line that changes the weights. Even with the
-# copy held back until the last moment, every checkpoint is the state at the
-# save call.
+# ``optimizer.step()``, the first line that changes the weights. Each step
+# also waits for its upload, so that one save at most is in flight (hazard 3
+# shows why that matters).
+#
+# On a GPU, the loop synchronises the compute stream right before
+# ``async_save``: with non-blocking copies the stager copies on a stream of its
+# own, which does not wait for the kernels your loop queued (the last
+# ``optimizer.step()``), so without it the copy can read weights that are still
+# being written. Build the state dict *before* that synchronisation: GPU work
+# that ``async_save`` starts itself (a ``Stateful``'s ``state_dict()`` that
+# clones, offloads or gathers) runs after it and is not covered. On CPU there is
+# no stream, and no race of this kind.
 
 
-def wait_before_step(model, optimizer, data, stager, workdir):
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)  # the state at the save call
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    optimizer.zero_grad()
-    model(next(data)).pow(2).mean().backward()  # overlaps staging
-    stager.let_copy_start()  # demo: the copy starts as late as this loop allows
-    response.staging_completion.result()
-    optimizer.step()
-    response.upload_completion.result()
-    return snapshot, workdir
+def wait_before_step(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        optimizer.zero_grad()
+        model(next(data)).pow(2).mean().backward()  # overlaps staging
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts as late as this loop allows
+        # sphinx_gallery_end_ignore
+        response.staging_completion.result()
+        optimizer.step()
+        response.upload_completion.result()
 
 
 def correct_pattern():
     if dist.get_rank() == 0:
         print(f"staging with {staging_options()}")
-    run_trials(wait_before_step, expect="bit-exact")
+    run_loop(wait_before_step)
 
 
 run_on_ranks(correct_pattern)
@@ -366,26 +437,29 @@ run_on_ranks(correct_pattern)
 # The fix is the pattern above.
 
 
-def step_before_staging(model, optimizer, data, stager, workdir):
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    optimizer.zero_grad()
-    model(next(data)).pow(2).mean().backward()
-    optimizer.step()  # BUG: staging may still be copying these tensors
-    stager.let_copy_start()  # demo: the copy starts right after the step
-    response.staging_completion.result()
-    response.upload_completion.result()
-    return snapshot, workdir
+def step_before_staging(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        optimizer.zero_grad()
+        model(next(data)).pow(2).mean().backward()
+        optimizer.step()  # BUG: staging may still be copying these tensors
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts right after the step
+        # sphinx_gallery_end_ignore
+        response.staging_completion.result()
+        response.upload_completion.result()
 
 
-def hazard_step_before_staging():
-    run_trials(step_before_staging, expect="torn")
-
-
-run_on_ranks(hazard_step_before_staging)
+run_on_ranks(run_loop, step_before_staging)
 
 
 # %%
@@ -393,29 +467,16 @@ run_on_ranks(hazard_step_before_staging)
 # -----------------------------------------------
 # In training mode ``BatchNorm`` updates ``running_mean``, ``running_var`` and
 # ``num_batches_tracked`` in place, in the forward pass, and they are in the
-# state dict. Overlapping staging with the next forward, as the pattern above
-# recommends, races with those updates although the loop waits before
-# ``optimizer.step()``. So does any module that updates a buffer in
-# ``forward`` (a running statistic, a step counter, an EMA kept as a buffer).
-# Whether a real run is hit depends on timing and on the layout: here the
-# BatchNorm layer comes first, so the forward pass updates its buffers moments
-# after ``async_save`` returns; a buffer deep in the model is updated later.
+# state dict. The pattern above overlaps staging with the next forward, so
+# with a ``BatchNorm`` model the very same loop races with those updates,
+# although it waits before ``optimizer.step()``. So does any module that
+# updates a buffer in ``forward`` (a running statistic, a step counter, an EMA
+# kept as a buffer). Whether a real run is hit depends on timing and on the
+# layout: here the BatchNorm layer comes first, so the forward pass updates its
+# buffers moments after ``async_save`` returns; a buffer deep in the model is
+# updated later.
 
-
-def wait_before_step_with_batch_norm(model, optimizer, data, stager, workdir):
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    optimizer.zero_grad()
-    loss = model(next(data)).pow(2).mean()  # BUG: updates BatchNorm's buffers in place
-    stager.let_copy_start()  # demo: the copy starts right after the forward pass
-    loss.backward()
-    response.staging_completion.result()
-    optimizer.step()
-    response.upload_completion.result()
-    return snapshot, workdir
+run_on_ranks(run_loop, wait_before_step, True)  # the same loop, a BatchNorm model
 
 
 # %%
@@ -425,56 +486,67 @@ def wait_before_step_with_batch_norm(model, optimizer, data, stager, workdir):
 # overlaps the upload, which is most of a save.
 
 
-def wait_before_forward(model, optimizer, data, stager, workdir):
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    batch = next(data)  # overlaps staging
-    stager.let_copy_start()  # demo: the copy starts as late as this loop allows
-    response.staging_completion.result()  # before anything changes the state
-    optimizer.zero_grad()
-    model(batch).pow(2).mean().backward()
-    optimizer.step()
-    response.upload_completion.result()
-    return snapshot, workdir
+def wait_before_forward(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        batch = next(data)  # overlaps staging
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts as late as this loop allows
+        # sphinx_gallery_end_ignore
+        response.staging_completion.result()  # before anything changes the state
+        train_step(model, optimizer, batch)
+        response.upload_completion.result()
+
+
+run_on_ranks(run_loop, wait_before_forward, True)
 
 
 # %%
-# The other keeps the overlap: copy the few tensors the forward pass changes
-# synchronously, at the save call, and hand the stager the copies. Buffers
-# are small next to the weights and Adam's moments; on a GPU the clone is a
-# device-to-device copy that the forward pass waits for in stream order.
-# (A third way: leave such buffers out of the checkpoint and recompute them
-# after loading, for BatchNorm with a few forward passes in training mode.)
+# The other keeps the overlap: clone the few tensors the forward pass changes
+# at the save call, and hand the stager the clones. Buffers are small next to
+# the weights and Adam's moments. On a GPU the clones are queued on the
+# compute stream, and the stager's stream does not wait for it: the
+# synchronisation before ``async_save`` is what makes the clones complete
+# before the stager copies them, so it must come after the cloning. (A third
+# way: leave such buffers out of the checkpoint and recompute them after
+# loading, for BatchNorm with a few forward passes in training mode.)
 
 
-def stage_buffers_at_save_call(model, optimizer, data, stager, workdir):
-    state = checkpoint_state(model, optimizer)
-    for name, buffer in model.named_buffers():
-        state["model"][name] = buffer.clone()  # the forward pass cannot touch these
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    optimizer.zero_grad()
-    loss = model(next(data)).pow(2).mean()  # overlaps staging again
-    stager.let_copy_start()  # demo: the copy starts right after the forward pass
-    loss.backward()
-    response.staging_completion.result()
-    optimizer.step()
-    response.upload_completion.result()
-    return snapshot, workdir
+def stage_buffers_at_save_call(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        for name, buffer in model.named_buffers():
+            state["model"][name] = buffer.clone()  # the forward pass cannot touch these
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the clones are done, too
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        optimizer.zero_grad()
+        loss = model(next(data)).pow(2).mean()  # overlaps staging again
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts right after the forward pass
+        # sphinx_gallery_end_ignore
+        loss.backward()
+        response.staging_completion.result()
+        optimizer.step()
+        response.upload_completion.result()
 
 
-def forward_mutated_buffers():
-    run_trials(wait_before_step_with_batch_norm, expect="torn", batch_norm_first=True)
-    run_trials(wait_before_forward, expect="bit-exact", batch_norm_first=True)
-    run_trials(stage_buffers_at_save_call, expect="bit-exact", batch_norm_first=True)
-
-
-run_on_ranks(forward_mutated_buffers)
+run_on_ranks(run_loop, stage_buffers_at_save_call, True)
 
 
 # %%
@@ -485,75 +557,78 @@ run_on_ranks(forward_mutated_buffers)
 # ``upload_completion`` matters for correctness, not only for memory: the
 # upload of a save reads that buffer while it writes. Start the next save with
 # the same stager before the previous upload has finished, and the next
-# staging overwrites data the previous upload has not written yet. Below, the
-# first upload is held until the second save has staged, as happens whenever
+# staging overwrites data the previous upload has not written yet. Below, each
+# upload writes only once the next save has staged, as happens whenever
 # writing a checkpoint takes longer than the steps between two saves (a large
-# model, a slow file system, saves every few steps).
+# model, a slow file system, saves every few steps). The last checkpoint of
+# the loop has no next save to overwrite it; the page checks the ones before.
 #
-# Two uploads in flight also run their collectives at the same time. On one
-# process group they could pair up wrongly between ranks (a hang, or one
-# save's plan handed to the other), so each save here gets a group of its own.
+# Uploads in flight at the same time also run their collectives at the same
+# time. On one process group they could pair up wrongly between ranks (a hang,
+# or one save's plan handed to the other), so in this broken loop each save
+# gets a group of its own; the fixed loop below needs only one.
 
 
-def next_save_before_upload(model, optimizer, data, stager, workdir):
-    first_path, second_path = f"{workdir}-a", f"{workdir}-b"
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)
-    writer = HeldWriter(first_path, hold=stager.hold)
-    first = dcp.async_save(
-        state, storage_writer=writer, async_stager=stager, process_group=checkpoint_group(0)
-    )
-    stager.let_copy_start()  # demo
-    first.staging_completion.result()
-    train_step(model, optimizer, next(data))
-    # BUG: the first upload may still be reading the stager's buffers.
-    second = dcp.async_save(
-        checkpoint_state(model, optimizer),
-        checkpoint_id=second_path,
-        async_stager=stager,
-        process_group=checkpoint_group(1),
-    )
-    stager.let_copy_start()  # demo
-    second.staging_completion.result()
-    writer.let_write_start()  # demo: the first upload writes only now
-    train_step(model, optimizer, next(data))
-    first.upload_completion.result()
-    second.upload_completion.result()
-    return snapshot, first_path
+def next_save_before_upload(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    uploads = []
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        # BUG: the previous upload may still be reading the stager's buffers.
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group(save)
+        )
+        response.staging_completion.result()
+        # sphinx_gallery_start_ignore
+        stager.let_writes_start(keep=path)  # the previous upload writes only now
+        # sphinx_gallery_end_ignore
+        train_step(model, optimizer, next(data))
+        uploads.append(response.upload_completion)
+    # sphinx_gallery_start_ignore
+    stager.let_writes_start()
+    # sphinx_gallery_end_ignore
+    for upload in uploads:
+        upload.result()
 
 
-def wait_for_upload_before_next_save(model, optimizer, data, stager, workdir):
-    first_path, second_path = f"{workdir}-a", f"{workdir}-b"
-    state = checkpoint_state(model, optimizer)
-    snapshot = copy.deepcopy(state)
-    writer = HeldWriter(first_path, hold=stager.hold)
-    first = dcp.async_save(
-        state, storage_writer=writer, async_stager=stager, process_group=checkpoint_group(0)
-    )
-    stager.let_copy_start()  # demo
-    first.staging_completion.result()
-    train_step(model, optimizer, next(data))
-    writer.let_write_start()  # demo: the first upload writes as late as this loop allows
-    first.upload_completion.result()  # the stager's buffers are free again
-    second = dcp.async_save(
-        checkpoint_state(model, optimizer),
-        checkpoint_id=second_path,
-        async_stager=stager,
-        process_group=checkpoint_group(0),
-    )
-    stager.let_copy_start()  # demo
-    second.staging_completion.result()
-    train_step(model, optimizer, next(data))
-    second.upload_completion.result()
-    return snapshot, first_path
+run_on_ranks(run_loop, next_save_before_upload)
 
 
-def reused_stager():
-    run_trials(next_save_before_upload, expect="torn")
-    run_trials(wait_for_upload_before_next_save, expect="bit-exact")
+# %%
+# The fix: wait for the previous upload right before the next save. The
+# upload still overlaps training, all the steps between two saves.
 
 
-run_on_ranks(reused_stager)
+def wait_for_upload_before_next_save(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    previous = None
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.let_writes_start()  # the previous upload writes as late as this loop allows
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if previous is not None:
+            previous.upload_completion.result()  # the stager's buffers are free again
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        previous = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        previous.staging_completion.result()
+        train_step(model, optimizer, next(data))
+    # sphinx_gallery_start_ignore
+    stager.let_writes_start()
+    # sphinx_gallery_end_ignore
+    previous.upload_completion.result()
+
+
+run_on_ranks(run_loop, wait_for_upload_before_next_save)
 
 
 # %%
@@ -566,64 +641,83 @@ run_on_ranks(reused_stager)
 # advanced when the next batch arrives, say) checkpoints the new value, and a
 # run resumed from it skips data. The fix is to hand ``async_save`` a copy of
 # such values (or a fresh dict each time), never the object the loop updates.
+# A plain ``int`` at the top level is safe: ``async_save`` copies the top level
+# of the dict during the call.
 
 
-def progress_updated_after_save(model, optimizer, data, stager, workdir):
-    progress = {"step": 3, "samples_seen": 3 * BATCH}
-    state = {**checkpoint_state(model, optimizer), "progress": progress}
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    batch = next(data)
-    progress["samples_seen"] += len(batch)  # BUG: the stager may not have copied it yet
-    stager.let_copy_start()  # demo: the copy starts right after the update
-    optimizer.zero_grad()
-    model(batch).pow(2).mean().backward()
-    response.staging_completion.result()
-    optimizer.step()
-    progress["step"] += 1
-    response.upload_completion.result()
-    return snapshot, workdir
+def progress_updated_after_save(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    progress = {"step": 1, "samples_seen": BATCH}
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = {**checkpoint_state(model, optimizer), "progress": progress}
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        batch = next(data)
+        progress["samples_seen"] += len(batch)  # BUG: the stager may not have copied it yet
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts right after the update
+        # sphinx_gallery_end_ignore
+        optimizer.zero_grad()
+        model(batch).pow(2).mean().backward()
+        response.staging_completion.result()
+        optimizer.step()
+        progress["step"] += 1
+        response.upload_completion.result()
 
 
-def progress_copied_at_save_call(model, optimizer, data, stager, workdir):
-    progress = {"step": 3, "samples_seen": 3 * BATCH}
-    state = {**checkpoint_state(model, optimizer), "progress": dict(progress)}
-    snapshot = copy.deepcopy(state)
-    response = dcp.async_save(
-        state, checkpoint_id=workdir, async_stager=stager, process_group=checkpoint_group()
-    )
-    batch = next(data)
-    progress["samples_seen"] += len(batch)  # the checkpoint has its own copy
-    stager.let_copy_start()  # demo: the copy starts right after the update
-    optimizer.zero_grad()
-    model(batch).pow(2).mean().backward()
-    response.staging_completion.result()
-    optimizer.step()
-    progress["step"] += 1
-    response.upload_completion.result()
-    return snapshot, workdir
+run_on_ranks(run_loop, progress_updated_after_save)
 
 
-def python_values():
-    run_trials(progress_updated_after_save, expect="torn")
-    run_trials(progress_copied_at_save_call, expect="bit-exact")
+# %%
+# The fix: a copy of the dict at the save call, ``dict(progress)``.
 
 
-run_on_ranks(python_values)
+def progress_copied_at_save_call(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    progress = {"step": 1, "samples_seen": BATCH}
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        state = {**checkpoint_state(model, optimizer), "progress": dict(progress)}
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        batch = next(data)
+        progress["samples_seen"] += len(batch)  # the checkpoint has its own copy
+        # sphinx_gallery_start_ignore
+        stager.let_copy_start()  # the copy starts right after the update
+        # sphinx_gallery_end_ignore
+        optimizer.zero_grad()
+        model(batch).pow(2).mean().backward()
+        response.staging_completion.result()
+        optimizer.step()
+        progress["step"] += 1
+        response.upload_completion.result()
+
+
+run_on_ranks(run_loop, progress_copied_at_save_call)
 
 
 # %%
 # How often the races hit without the hold
 # ----------------------------------------
-# The same four broken loops with ``hold=False``: the plain ``DefaultStager``
-# and ``FileSystemWriter``, nothing deciding the race. What these trials count
-# is luck and timing on the machine that built this page (named at the top)
-# with this small model, so the cell also measures the durations that decide
-# the races: a training step, how long the copy was still running after
-# ``async_save`` returned (the head start the training thread has to beat),
-# and a whole save, from the call to ``upload_completion``.
+# The same four broken loops, with nothing deciding the race: the plain
+# ``DefaultStager`` and ``FileSystemWriter``, exactly the code shown above.
+# What these runs count is luck and timing on the machine that built this page
+# (named at the top) with this small model, so the cell also measures the
+# durations that decide the races: a training step, how long the copy was
+# still running after ``async_save`` returned (the head start the training
+# thread has to beat), and a whole save, from the call to
+# ``upload_completion``.
 #
 # * Stepping early and updating Python values race with the copy: they are
 #   hit when the copy has not finished by the time the loop gets there.
@@ -635,13 +729,15 @@ run_on_ranks(python_values)
 # A larger state widens every window: the copy takes longer, and so does the
 # upload.
 
-HONEST_TRIALS = 8
-HAZARDS = [
+BROKEN_LOOPS = [
     (step_before_staging, False),
-    (wait_before_step_with_batch_norm, True),
+    (wait_before_step, True),  # with BatchNorm
     (next_save_before_upload, False),
     (progress_updated_after_save, False),
 ]
+
+# sphinx_gallery_start_ignore
+HOLD = False
 
 
 def time_one_save(saves=5):
@@ -681,24 +777,33 @@ def time_one_save(saves=5):
     )
 
 
-def race_without_hold():
-    hits = {}
-    for case, batch_norm_first in HAZARDS:
-        counts = run_trials(case, None, batch_norm_first, hold=False, trials=HONEST_TRIALS)
-        if dist.get_rank() == 0:
-            hits[case.__name__] = sum(count > 0 for count in counts)
-    return time_one_save(), hits
+# sphinx_gallery_end_ignore
 
 
-durations, hits = run_on_ranks(race_without_hold)[0]  # rank 0 measured and compared
-print(durations)
-for name, count in hits.items():
-    print(f"{name:<34} not the saved state in {count:>2} of {HONEST_TRIALS} trials")
+def broken_loops_left_to_chance():
+    for loop, batch_norm_first in BROKEN_LOOPS:
+        run_loop(loop, batch_norm_first, os.path.join(WORK_DIR, "left-to-chance"))
+    # sphinx_gallery_start_ignore
+    durations = time_one_save()
+    if dist.get_rank() == 0:
+        print(durations)
+        for loop, batch_norm_first in BROKEN_LOOPS:
+            label = loop_label(loop, batch_norm_first)
+            counts = COUNTS[label]
+            torn = sum(count > 0 for count in counts)
+            print(f"{label:<34} not the saved state in {torn:>2} of {len(counts)} trials")
+    # sphinx_gallery_end_ignore
+
+
+run_on_ranks(broken_loops_left_to_chance)
 
 
 # %%
 # The rules, in short
 # -------------------
+# * On a GPU with non-blocking copies, synchronise the compute stream right
+#   before every ``async_save``, after building the state dict (clones
+#   included): the stager's copy stream does not wait for yours.
 # * Wait for ``staging_completion`` before the first line that changes any
 #   tensor in the saved state: ``optimizer.step()`` for most models, the
 #   forward pass for models whose forward updates buffers (or clone those
@@ -707,12 +812,18 @@ for name, count in hits.items():
 #   the same stager: its upload still reads the stager's buffers.
 # * Pass copies of Python values the loop keeps updating.
 #
-# The DefaultStager recipe, :ref:`sphx_glr_recipes_default_stager_recipe.py`,
-# has the whole loop and the full list of rules to paste into yours;
-# :doc:`/troubleshooting` starts from the symptoms.
-#
 # Clean up
 # --------
 
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
+
+
+# %%
+# What to read next
+# -----------------
+# * :ref:`sphx_glr_recipes_default_stager_recipe.py`: the whole loop and the
+#   full list of rules to paste into yours.
+# * :ref:`sphx_glr_recipes_async_save_recipe.py`: ``async_save`` without a
+#   stager of your own, and a checkpoint process.
+# * :doc:`/troubleshooting`: the same failures, starting from the symptoms.

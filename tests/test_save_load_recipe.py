@@ -43,6 +43,8 @@ def test_recipe_with_gallery_launcher(recipe_runner, world_size):
     assert_recipe_checks_passed(output)
     shards = re.findall(r"^__(\d+)_0\.distcp", output, re.MULTILINE)
     assert len(shards) == world_size, "one .distcp file per rank"
+    if world_size == 2:
+        assert_disagreeing_directories_fail_as_shown(output)
     assert f"[rank{world_size - 1}] step 3: loss" in output
     assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
@@ -66,3 +68,26 @@ def test_recipe_under_two_torchrun_agents(recipe_runner):
     assert_recipe_checks_passed(output0)
     assert "[rank1] step 3: loss" in output1
     assert recipe_runner.leftovers() == []
+
+
+def assert_disagreeing_directories_fail_as_shown(output: str) -> None:
+    """The page's "When ranks disagree on the directory": the real errors, on 2 ranks."""
+    # Nothing fails at save time; only rank 0's directory has the index.
+    assert "[rank0] saved into rank0-only: ['.metadata', '__0_0.distcp']" in output
+    assert "[rank1] saved into rank1-only: ['__1_0.distcp']" in output
+    # All ranks load rank 0's path: rank 1's shards are not there.
+    assert re.search(
+        r"\[rank0\] every rank loads rank 0's directory: CheckpointException\n"
+        r"\[rank0\]   rank 0: FileNotFoundError: \[Errno 2\] No such file or directory: "
+        r"'\.\.\./rank0-only/__1_0\.distcp'\n"
+        r"\[rank0\]   rank 1: FileNotFoundError: .*'\.\.\./rank0-only/__1_0\.distcp'\n",
+        output,
+    ), output[-3000:]
+    # Each rank loads its own path: rank 0 finds its .metadata, rank 1 finds none.
+    assert re.search(
+        r"\[rank0\] every rank loads its own directory: CheckpointException\n"
+        r"\[rank0\]   rank 1: AssertionError: metadata is None; global metadata read failed: "
+        r".*'\.\.\./rank1-only/\.metadata'.*\n\[rank(?!0\]   rank)",
+        output,
+    ), output[-3000:]
+    assert "Traceback" not in output and "Global metadata is not found" not in output

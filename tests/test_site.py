@@ -42,6 +42,7 @@ TROUBLESHOOTING_SECTIONS = [
     "The last checkpoint has no",
     "The checkpoint holds weights from after the save",
     "Host memory grows with every save",
+    "A checkpoint process runs out of",
     "A stager that is never closed",
     "The checkpoint directory differs between ranks",
 ]

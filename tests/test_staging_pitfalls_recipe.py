@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import re
 
-from recipe_runner import assert_ok
+from recipe_runner import assert_ok, recipe_path
+from sphinx_gallery.py_source_parser import remove_ignore_blocks, split_code_and_text_blocks
 
 RECIPE = "staging_pitfalls_recipe"
 MIN_TRIALS = 5
@@ -27,7 +29,7 @@ FIXES = [
 BUFFERS = ["model.0.running_mean", "model.0.running_var", "model.0.num_batches_tracked"]
 HAZARDS = {
     "step_before_staging": "every tensor",  # weights, Adam moments and step counters
-    "wait_before_step_with_batch_norm": BUFFERS,
+    "wait_before_step_with_batch_norm": BUFFERS,  # the same loop as the first fix
     "next_save_before_upload": "every tensor",  # the first checkpoint holds the second state
     "progress_updated_after_save": ["progress.samples_seen"],
 }
@@ -102,3 +104,42 @@ def test_recipe_under_torchrun(recipe_runner):
     assert_fixes_and_hazards(output)
     assert_honest_trials_reported(output)
     assert_clean(output, recipe_runner)
+
+
+def visible_code() -> str:
+    """The code the page shows and the notebook holds: code cells, ignore blocks removed."""
+    _, blocks = split_code_and_text_blocks(str(recipe_path(RECIPE)))[:2]
+    return "\n".join(remove_ignore_blocks(content) for kind, content, _ in blocks if kind == "code")
+
+
+def test_every_visible_loop_synchronises_right_before_async_save():
+    tree = ast.parse(visible_code())
+    loops = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and "dcp.async_save(" in ast.unparse(node):
+            loops[node.name] = node
+    assert len(loops) == 8, sorted(loops)
+    checked = set()
+    for name, function in loops.items():
+        for body in (n.body for n in ast.walk(function) if isinstance(n, ast.For)):
+            for before, statement in zip(body, body[1:], strict=False):
+                if "dcp.async_save(" in ast.unparse(statement):
+                    assert ast.unparse(before) == (
+                        "if torch.accelerator.is_available():\n"
+                        "    torch.accelerator.current_stream().synchronize()"
+                    ), f"{name}: no device synchronisation right before async_save"
+                    checked.add(name)
+    assert checked == set(loops), "every loop calls async_save in its for loop"
+    # The clone fix synchronises after cloning: the stager's stream does not wait for the clones.
+    clones = ast.unparse(loops["stage_buffers_at_save_call"])
+    assert clones.index("buffer.clone()") < clones.index("synchronize()")
+
+
+def test_visible_code_has_no_page_machinery_and_one_staging_rule():
+    code = visible_code()
+    for page_only in ("snapshot", "let_copy_start", "let_writes_start", "HeldStager", "# demo"):
+        assert page_only not in code, page_only
+    assert code.count("StagingOptions(") == 1
+    assert "use_shared_memory=False" in code and "use_pinned_memory=on_gpu" in code
+    # That the visible code alone runs is tested where the notebook (exactly this code) runs:
+    # tests/test_site.py::test_downloaded_notebook_runs_alone.
