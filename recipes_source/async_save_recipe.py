@@ -169,8 +169,10 @@ optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
 saved_step = optimizer_state_dict["state"]["layers.0.weight"]["step"]
 live_step = optimizer.state[model.layers[0].weight]["step"]
-print(f"Adam's step before any training: {saved_step.item():.0f} in the state dict, ", end="")
-print(f"{live_step.item():.0f} in the live optimizer")
+print(
+    f"Adam's step before any training: {saved_step.item():.0f} in the state dict,"
+    f" {live_step.item():.0f} in the live optimizer"
+)
 
 # sphinx_gallery_start_ignore
 
@@ -213,9 +215,10 @@ print(f"a checkpoint, with Adam's state: {checkpoint_mb:.1f} MB")
 # first two in the caller and hands phase 3 to a background thread. The cell
 # below runs the three phases one statement each, as ``async_save`` does, and
 # times them on every rank. It stages with a
-# :class:`~torch.distributed.checkpoint.staging.DefaultStager`, the stager
-# ``async_save`` creates when you give it none, configured by this page's one
-# ``staging_options()`` function.
+# :class:`~torch.distributed.checkpoint.staging.DefaultStager`, the class
+# ``async_save`` also uses when you give it no stager (then with every option
+# off); this page configures every stager with one function,
+# ``staging_options()``.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -463,14 +466,18 @@ print_saves(async_runs)
 # buffers live as long as the writer; and it pins with ``.pin_memory()``,
 # whose caching host allocator rounds every buffer up to a power of two (up to
 # about twice the host memory), where ``DefaultStager`` registers exactly the
-# bytes of each tensor.
+# bytes of each tensor's storage.
 #
-# A reused buffer needs the same state dict at every save: the same keys and
-# shapes, backed by the same tensors (the stager finds its buffer by the source
-# tensor's storage). With ``get_state_dict`` Adam's state exists from the first
-# call on (see above), so saving before the first optimizer step is fine.
-# And waiting for the previous save matters twice here: it also keeps the next
-# copy from overwriting a buffer that the previous upload is still writing out.
+# What reuse needs is the same state at every save. ``DefaultStager`` finds a
+# buffer by the storage of the tensor it copies, so ``state_dict()`` must
+# return the same tensors each time (the live parameters and optimizer state
+# do; clones or offloaded copies get new buffers at every save). The writer's
+# cache is stricter: built from the first state dict it sees, it needs the
+# same keys and shapes at every save. Neither needs the first save to come
+# after the first optimizer step: with ``get_state_dict``, Adam's state exists
+# from the first call on (see above). And waiting for the previous save
+# matters twice here: it also keeps the next copy from overwriting a buffer
+# that the previous upload is still writing out.
 
 
 def train_with_one_stager(checkpoint_root):
