@@ -457,7 +457,7 @@ print_saves(async_runs)
 # run. On GPU, ``staging_options()`` pins them (page-locked memory is what lets
 # the GPU copy at full speed); on CPU nothing is pinned. Create the stager on
 # the rank, once its device is chosen, and close it after the last save: that
-# frees (and unpins) its buffers.
+# frees its buffers (and unpins them).
 #
 # Use this on GPU too, rather than the older
 # ``FileSystemWriter(path, cache_staged_state_dict=True)``: ``async_save``
@@ -483,7 +483,7 @@ print_saves(async_runs)
 def train_with_one_stager(checkpoint_root):
     stager = DefaultStager(staging_options())
     train(checkpoint_root, async_stager=stager)
-    stager.close()  # frees (and unpins) the buffers it kept
+    stager.close()  # frees the buffers it kept (and unpins them, on GPU)
     # sphinx_gallery_start_ignore
     return MEASURED[checkpoint_root]
     # sphinx_gallery_end_ignore
@@ -527,6 +527,16 @@ print_saves(one_stager_runs)
 #   the standard error it inherits (torch configures that process's logging
 #   itself, with no switch): in a training job those lines go to the job's
 #   log. Here they go to a file, of which the page prints a sample.
+#
+# Under the cell, after this run's saves, all the ways of saving side by side.
+# *Stall*: how long the loop was blocked at a save (median over the saves
+# after the first, slowest rank). *Upload*: from the call until the checkpoint
+# was complete (same median). *Slow-down*: median time of the steps that
+# started while an upload was in flight, against the steps that started with
+# none (rank 0, first step left out). These are a handful of steps on a
+# shared machine: read the slow-down as rough. On this page the background
+# work competes with training for the same few CPU cores; on a GPU machine the
+# steps run on the GPU and the host has cores to spare.
 
 
 def train_in_checkpoint_process(checkpoint_root):
@@ -616,6 +626,34 @@ print_saves(process_runs)
 shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
 if shm is not None:
     print(f"/dev/shm on this machine: {shm.total / 2**30:.1f} GiB, shared by all local ranks")
+print()
+
+
+def summarise(name, runs):
+    later_saves = range(1, len(runs[0]["saves"]))
+
+    def median_ms(key):
+        values = [1000 * max(r["saves"][i][key] for r in runs) for i in later_saves]
+        return statistics.median(values)
+
+    steps = runs[0]["steps"][1:]
+    idle = [step["seconds"] for step in steps if not step["in_flight"]]
+    busy = [step["seconds"] for step in steps if step["in_flight"]]
+    slowdown = "-"
+    if busy and idle:
+        slowdown = f"{statistics.median(busy) / statistics.median(idle) - 1:+.0%}"
+    upload = f"{median_ms('done'):.0f} ms"
+    in_flight = f"{len(busy)}/{len(steps)}"
+    return f"{name:<38} {median_ms('blocked'):6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
+
+
+print(f"{'strategy':<38} {'stall':>9} {'upload':>9} {'in flight':>10} {'slow-down':>10}")
+print(f"{'dcp.save (timed above)':<38} {phase_ms('dcp.save'):6.1f} ms {'-':>9} {'-':>10} {'-':>10}")
+print(summarise("async_save", async_runs))
+print(summarise("async_save, one reused DefaultStager", one_stager_runs))
+print(summarise("async_save, checkpoint process", process_runs))
+startup = max(rank["saves"][0]["done"] for rank in process_runs)
+print(f"first upload with a checkpoint process (includes starting it): {startup:.1f} s")
 # sphinx_gallery_end_ignore
 
 
@@ -750,49 +788,6 @@ def resume_every_run(work_dir):
 
 
 run_on_ranks(resume_every_run, WORK_DIR)
-
-
-# %%
-# What each way of saving cost the loop
-# -------------------------------------
-# *Stall*: how long the loop was blocked at a save (median over the saves
-# after the first, slowest rank). *Upload*: from the call until the checkpoint
-# was complete (same median). *Slow-down*: median time of the steps that
-# started while an upload was in flight, against the steps that started with
-# none (rank 0, first step left out). These are a handful of steps on a
-# shared machine: read the slow-down as rough. On this page the background
-# work competes with training for the same few CPU cores; on a GPU machine the
-# steps run on the GPU and the host has cores to spare.
-
-# sphinx_gallery_start_ignore
-
-
-def summarise(name, runs):
-    later_saves = range(1, len(runs[0]["saves"]))
-
-    def median_ms(key):
-        values = [1000 * max(r["saves"][i][key] for r in runs) for i in later_saves]
-        return statistics.median(values)
-
-    steps = runs[0]["steps"][1:]
-    idle = [step["seconds"] for step in steps if not step["in_flight"]]
-    busy = [step["seconds"] for step in steps if step["in_flight"]]
-    slowdown = "-"
-    if busy and idle:
-        slowdown = f"{statistics.median(busy) / statistics.median(idle) - 1:+.0%}"
-    upload = f"{median_ms('done'):.0f} ms"
-    in_flight = f"{len(busy)}/{len(steps)}"
-    return f"{name:<34} {median_ms('blocked'):6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
-
-
-print(f"{'strategy':<34} {'stall':>9} {'upload':>9} {'in flight':>10} {'slow-down':>10}")
-print(f"{'dcp.save (timed above)':<34} {phase_ms('dcp.save'):6.1f} ms {'-':>9} {'-':>10} {'-':>10}")
-print(summarise("async_save", async_runs))
-print(summarise("async_save, one reused DefaultStager", one_stager_runs))
-print(summarise("async_save, checkpoint process", process_runs))
-startup = max(rank["saves"][0]["done"] for rank in process_runs)
-print(f"first upload with a checkpoint process (includes starting it): {startup:.1f} s")
-# sphinx_gallery_end_ignore
 
 
 # %%
@@ -978,7 +973,7 @@ def tear_saves(root):
     if rank == 0:
         metadata = sorted(f for f in os.listdir(no_collectives) if f.endswith(".metadata"))
         print(f"use_collectives=False wrote {metadata}; complete: {is_complete(no_collectives)}")
-    return saved
+    resume_after_the_tear(root, saved)
 
 
 def resume_after_the_tear(root, expected):
@@ -997,8 +992,7 @@ def resume_after_the_tear(root, expected):
 
 run_on_one_process(exit_without_waiting, os.path.join(WORK_DIR, "exit", "step-1"))
 torn_root = os.path.join(WORK_DIR, "torn")
-saved_at_step_1 = run_on_ranks(tear_saves, torn_root)[0]
-run_on_ranks(resume_after_the_tear, torn_root, saved_at_step_1)
+run_on_ranks(tear_saves, torn_root)
 # sphinx_gallery_end_ignore
 
 
