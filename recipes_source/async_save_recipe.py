@@ -7,8 +7,9 @@ serialises its shards and writes them, and the loop waits. ``dcp.async_save``
 stops it only for as long as it takes to copy the state to host memory; a
 background thread (or process) plans, serialises and writes that copy while
 training goes on. This recipe builds a training loop around ``async_save``,
-measures what each way of checkpointing costs the loop, and proves that the
-checkpoint holds the state at the moment of the save.
+measures what each way of checkpointing costs the loop, proves that the
+checkpoint holds the state at the moment of the save, and shows what a torn
+checkpoint looks like.
 
 .. grid:: 2
 
@@ -19,15 +20,15 @@ checkpoint holds the state at the moment of the save.
          ``async_save`` takes off it, measured phase by phase
        * A training loop that checkpoints every few steps with ``async_save``:
          a process group of its own, one save in flight, the last save awaited
-       * Reuse one staging buffer for every save, and save from a separate
+       * Reuse one ``DefaultStager`` for every save, and save from a separate
          checkpoint process (``AsyncCheckpointerType.PROCESS``)
-       * Resume only from a complete checkpoint, and check that it equals the
-         state at the moment of the save, bit for bit
+       * Resume only from a complete checkpoint, check that it equals the state
+         at the moment of the save, bit for bit, and recognise a torn one
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later
+       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`: ``dcp.save``,
          ``dcp.load`` and the ``AppState`` wrapper
@@ -44,36 +45,45 @@ the top of the page.
 # Setup
 # -----
 
-import contextlib
-import copy
-import importlib.machinery
-import multiprocessing
-import multiprocessing.util
 import os
 import re
-import statistics
-import sys
-import time
+import shutil
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from rank_launcher import run_on_ranks, shared_tempdir
-from torch.distributed.checkpoint import FileSystemWriter
+from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
 WORK_DIR = shared_tempdir("dcp-async-save-")
 print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
+
+# sphinx_gallery_start_ignore
+# What only this page needs: timers, snapshots for the bit-for-bit checks, and
+# the demonstrations of what goes wrong.
+import copy
+import logging
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import psutil
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+MEASURED = {}  # what the training runs measured, by checkpoint root
+# sphinx_gallery_end_ignore
 
 
 # %%
@@ -146,12 +156,25 @@ def train_step(model, optimizer):
     return loss.item()  # waits for the GPU, as logging the loss does
 
 
-def full_state(model, optimizer):
-    """A copy of the whole state, unsharded, on CPU, on rank 0: what we compare against."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer, options=options)
-    # Copy: some values are the live tensors (Adam's step counters), which training changes.
-    return copy.deepcopy({"model": model_state_dict, "optim": optimizer_state_dict})
+# %%
+# The checkpoint has its full size from the first save on, even before any
+# training: ``get_state_dict`` finds Adam without state and creates it by
+# running one optimizer step with the learning rate set to zero. The moments
+# stay zero, but Adam's ``step`` counter becomes 1, in the checkpoint and in
+# the live optimizer, so a run that saves before it trains takes its first
+# real step as Adam's step 2 (with that step's bias correction).
+
+model = ToyModel()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
+saved_step = optimizer_state_dict["state"]["layers.0.weight"]["step"]
+live_step = optimizer.state[model.layers[0].weight]["step"]
+print(
+    f"Adam's step before any training: {saved_step.item():.0f} in the state dict,"
+    f" {live_step.item():.0f} in the live optimizer"
+)
+
+# sphinx_gallery_start_ignore
 
 
 def nbytes(state_dict):
@@ -166,18 +189,11 @@ def nbytes(state_dict):
     return total
 
 
-def checkpoint_bytes():
-    """Size of a full checkpoint: the weights, and Adam's state after one step."""
-    model = ToyModel()
-    optimizer = torch.optim.Adam(model.parameters())
-    model(torch.rand(BATCH, WIDTH)).pow(2).mean().backward()
-    optimizer.step()  # Adam creates its state (two moments per parameter) here
-    return nbytes(model.state_dict()) + nbytes(optimizer.state_dict())
-
-
-parameters = sum(p.numel() for p in ToyModel().parameters())
+parameters = sum(p.numel() for p in model.parameters())
+checkpoint_mb = (nbytes(model_state_dict) + nbytes(optimizer_state_dict)) / 1e6
 print(f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 1e6:.1f} MB of fp32 weights)")
-print(f"a checkpoint, with Adam's state: {checkpoint_bytes() / 1e6:.1f} MB")
+print(f"a checkpoint, with Adam's state: {checkpoint_mb:.1f} MB")
+# sphinx_gallery_end_ignore
 
 
 # %%
@@ -197,9 +213,12 @@ print(f"a checkpoint, with Adam's state: {checkpoint_bytes() / 1e6:.1f} MB")
 #
 # ``dcp.save`` runs all of it while the loop waits. ``async_save`` runs the
 # first two in the caller and hands phase 3 to a background thread. The cell
-# below times each phase on every rank. It stages with
-# :class:`~torch.distributed.checkpoint.staging.DefaultStager`, which is what
-# ``async_save`` uses when you give it no stager.
+# below runs the three phases one statement each, as ``async_save`` does, and
+# times them on every rank. It stages with a
+# :class:`~torch.distributed.checkpoint.staging.DefaultStager`, the class
+# ``async_save`` also uses when you give it no stager (then with every option
+# off); this page configures every stager with one function,
+# ``staging_options()``.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -209,51 +228,65 @@ print(f"a checkpoint, with Adam's state: {checkpoint_bytes() / 1e6:.1f} MB")
 # its upload completes.
 
 
-# What async_save uses when you pass no stager: plain host memory, staged in
-# the calling thread.
-DEFAULT_STAGING = StagingOptions(
-    use_pinned_memory=False,
-    use_shared_memory=False,
-    use_async_staging=False,
-    use_non_blocking_copy=False,
-)
+def staging_options(checkpoint_process=False):
+    """How every save on this page stages its copy, chosen from the machine."""
+    on_gpu = torch.accelerator.is_available()
+    return StagingOptions(
+        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
+        use_shared_memory=checkpoint_process,  # only a checkpoint *process* reads it in place
+        # Copy in the calling thread, on the current stream, and wait for the copy:
+        # nothing races with training. The next recipe overlaps the copy instead.
+        use_async_staging=False,
+        use_non_blocking_copy=on_gpu,  # queue every copy, then wait once for all of them
+    )
 
 
-def time_save_phases(checkpoint_root, repeats=3):
+def time_save_phases(checkpoint_root):
     model, optimizer = build_sharded_model(seed=0)
-    train_step(model, optimizer)  # creates Adam's state: the checkpoint has its full size
+    train_step(model, optimizer)
     app_state = AppState(model, optimizer)
     checkpoint_group = dist.new_group(backend="gloo")
+    # sphinx_gallery_start_ignore
     seconds = {"collect": [], "stage": [], "write": [], "dcp.save": []}
-    for attempt in range(repeats):
+    # sphinx_gallery_end_ignore
+    for attempt in range(3):
+        # sphinx_gallery_start_ignore
         start = time.perf_counter()
-        state_dict = app_state.state_dict()
+        # sphinx_gallery_end_ignore
+        state_dict = app_state.state_dict()  # 1. collect
+        # sphinx_gallery_start_ignore
         collected = time.perf_counter()
-        stager = DefaultStager(DEFAULT_STAGING)
-        staged = stager.stage(state_dict)
+        # sphinx_gallery_end_ignore
+        stager = DefaultStager(staging_options())
+        staged = stager.stage(state_dict)  # 2. stage
+        # sphinx_gallery_start_ignore
         staged_at = time.perf_counter()
-        dcp.save(
-            staged,
-            checkpoint_id=os.path.join(checkpoint_root, f"staged-{attempt}"),
-            process_group=checkpoint_group,
-        )
+        # sphinx_gallery_end_ignore
+        staged_dir = os.path.join(checkpoint_root, f"staged-{attempt}")
+        dcp.save(staged, checkpoint_id=staged_dir, process_group=checkpoint_group)  # 3. write
+        # sphinx_gallery_start_ignore
         written = time.perf_counter()
+        # sphinx_gallery_end_ignore
         stager.close()
-        dcp.save(
-            {"app": app_state},
-            checkpoint_id=os.path.join(checkpoint_root, f"live-{attempt}"),
-            process_group=checkpoint_group,
-        )
+        # The same state with plain dcp.save, for comparison.
+        live_dir = os.path.join(checkpoint_root, f"live-{attempt}")
+        dcp.save({"app": app_state}, checkpoint_id=live_dir, process_group=checkpoint_group)
+        # sphinx_gallery_start_ignore
         seconds["collect"].append(collected - start)
         seconds["stage"].append(staged_at - collected)
         seconds["write"].append(written - staged_at)
         seconds["dcp.save"].append(time.perf_counter() - written)
+        # sphinx_gallery_end_ignore
     dist.destroy_process_group(checkpoint_group)
+    # sphinx_gallery_start_ignore
     medians = {phase: statistics.median(values) for phase, values in seconds.items()}
     return {"seconds": medians, "staged_bytes": nbytes(staged)}
+    # sphinx_gallery_end_ignore
 
 
 phases = run_on_ranks(time_save_phases, os.path.join(WORK_DIR, "phases"))
+
+# sphinx_gallery_start_ignore
 
 
 def phase_ms(name):
@@ -269,6 +302,7 @@ print(f"dcp.save blocks the loop for          {phase_ms('dcp.save'):8.1f}")
 print(f"async_save blocks it for 1 and 2      {phase_ms('collect') + phase_ms('stage'):8.1f}")
 staged_mb = ", ".join(f"{rank['staged_bytes'] / 1e6:.1f} MB" for rank in phases)
 print(f"staged copy per rank, held until its upload completes: {staged_mb}")
+# sphinx_gallery_end_ignore
 
 
 # %%
@@ -285,78 +319,101 @@ print(f"staged copy per rank, held until its upload completes: {staged_mb}")
 #   different ranks, match the wrong partner and deadlock. A group of its own
 #   also gives ``async_save`` the CPU backend it needs when training uses NCCL.
 # * **At most one save in flight.** Before the next save, wait for the
-#   previous one. Each save in flight holds a staged copy in host memory, and
-#   saves that pile up behind slow storage would pile up copies too.
+#   previous one. Each ``async_save`` call starts an executor of its own, so a
+#   second save does not queue behind the first: both uploads run at once,
+#   their collectives on the one checkpoint group can match each other's and
+#   hang, and each holds its own staged copy in host memory.
 # * **Wait for the last save before the group is destroyed.** The upload ends
 #   with collectives on that group; rank 0 writes ``.metadata`` only after
-#   them. Destroy the group (or exit) first and the checkpoint is torn: data
-#   files without ``.metadata``.
+#   them. Destroy the group first and the checkpoint is torn: data files
+#   without ``.metadata`` (shown at the end of this page).
 #
 # The loop also saves once right after the first step and waits for that
 # save: a storage problem shows up at once, not hours into the run, and
 # one-time costs (opening files, starting a checkpoint process) are paid
 # before training settles.
 #
-# ``async_save`` returns a ``Future`` with the stagers used on this page; with
-# an asynchronous stager (the :ref:`next recipe
-# <sphx_glr_recipes_default_stager_recipe.py>`) it returns an
-# ``AsyncSaveResponse`` whose ``upload_completion`` is that future.
-# ``upload_future`` accepts both. The timing code records, per save, how long
-# the loop was blocked, and per step whether a save was in flight.
+# With synchronous staging, as everywhere on this page, ``async_save`` returns
+# a ``Future`` of the upload. (With ``use_async_staging=True`` it returns an
+# ``AsyncSaveResponse`` whose ``upload_completion`` is that future: the
+# :ref:`next recipe <sphx_glr_recipes_default_stager_recipe.py>`.)
 
 NUM_STEPS, SAVE_EVERY = 11, 3
 LAST_SAVE = NUM_STEPS // SAVE_EVERY * SAVE_EVERY  # steps after it keep training
 
+# sphinx_gallery_start_ignore
 
-def upload_future(response):
-    if isinstance(response, AsyncSaveResponse):
-        return response.upload_completion
-    return response
+
+def full_state(model, optimizer):
+    """A copy of the whole state, unsharded, on CPU, on rank 0: what we compare against."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer, options=options)
+    # Copy: some values are the live tensors (Adam's step counters), which training changes.
+    return copy.deepcopy({"model": model_state_dict, "optim": optimizer_state_dict})
+
+
+# sphinx_gallery_end_ignore
 
 
 def train(checkpoint_root, **async_save_options):
-    """Train NUM_STEPS steps, checkpoint every SAVE_EVERY; return what was measured."""
+    """Train NUM_STEPS steps and checkpoint every SAVE_EVERY, one save in flight."""
     model, optimizer = build_sharded_model(seed=0)
     state_dict = {"app": AppState(model, optimizer)}
     checkpoint_group = dist.new_group(backend="gloo")
     upload = None  # the save in flight, if any
+    # sphinx_gallery_start_ignore
     steps, saves, expected = [], [], None
+    # sphinx_gallery_end_ignore
 
     for step in range(1, NUM_STEPS + 1):
+        # sphinx_gallery_start_ignore
         in_flight = upload is not None and not upload.done()
         start = time.perf_counter()
+        # sphinx_gallery_end_ignore
         train_step(model, optimizer)
+        # sphinx_gallery_start_ignore
         steps.append({"seconds": time.perf_counter() - start, "in_flight": in_flight})
+        # sphinx_gallery_end_ignore
         if step != 1 and step % SAVE_EVERY != 0:
             continue
 
-        checkpoint_id = os.path.join(checkpoint_root, f"step-{step}")
+        # sphinx_gallery_start_ignore
         start = time.perf_counter()
+        # sphinx_gallery_end_ignore
         if upload is not None:
             upload.result()  # at most one save in flight
+        # sphinx_gallery_start_ignore
         waited = time.perf_counter() - start
-        response = dcp.async_save(
+        # sphinx_gallery_end_ignore
+        upload = dcp.async_save(
             state_dict,
-            checkpoint_id=checkpoint_id,
+            checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
             process_group=checkpoint_group,
             **async_save_options,
         )
-        upload = upload_future(response)
         if step == 1:
             upload.result()  # the first save: check the storage, pay one-time costs
+        # sphinx_gallery_start_ignore
         save = {"step": step, "blocked": time.perf_counter() - start, "waited": waited}
         saves.append(save)
-        # Measurement only: when did this upload complete?
         upload.add_done_callback(
             lambda _, save=save, start=start: save.update(done=time.perf_counter() - start)
         )
         if step == LAST_SAVE:
-            expected = full_state(model, optimizer)  # for the check at the end
+            expected = full_state(model, optimizer)  # the state at the save call
+        # sphinx_gallery_end_ignore
 
     upload.result()  # the last save, before its group goes away
     dist.destroy_process_group(checkpoint_group)
+    # sphinx_gallery_start_ignore
     final = full_state(model, optimizer)
-    return {"steps": steps, "saves": saves, "expected": expected, "final": final}
+    MEASURED[checkpoint_root] = {"steps": steps, "saves": saves, "expected": expected}
+    MEASURED[checkpoint_root]["final"] = final
+    return MEASURED[checkpoint_root]
+    # sphinx_gallery_end_ignore
+
+
+# sphinx_gallery_start_ignore
 
 
 def print_saves(results):
@@ -374,6 +431,9 @@ def print_saves(results):
         )
 
 
+# sphinx_gallery_end_ignore
+
+
 # %%
 # Run it with ``async_save``'s default staging: every save copies the state
 # into freshly allocated host memory, which is freed when its upload
@@ -381,65 +441,58 @@ def print_saves(results):
 # next steps.
 
 async_runs = run_on_ranks(train, os.path.join(WORK_DIR, "async-save"))
+# sphinx_gallery_start_ignore
 print_saves(async_runs)
+# sphinx_gallery_end_ignore
 
 
 # %%
-# Reuse the staging buffer
-# ------------------------
+# Reuse one stager for every save
+# -------------------------------
 # Allocating a fresh host copy for every save costs time: on GPU, copies into
 # ordinary (pageable) memory are slow, and on any machine new memory has to be
-# faulted in page by page. Keeping one buffer and copying into it at every
-# save avoids both, at the price of holding that buffer for the whole run.
+# faulted in page by page. A ``DefaultStager`` created once and passed as
+# ``async_stager`` to every save keeps the buffers of its first save and copies
+# into them at every later one, at the price of holding them for the whole
+# run. On GPU, ``staging_options()`` pins them (page-locked memory is what lets
+# the GPU copy at full speed); on CPU nothing is pinned. Create the stager on
+# the rank, once its device is chosen, and close it after the last save: that
+# frees its buffers (and unpins them).
 #
-# * **On GPU**: ``FileSystemWriter(path, cache_staged_state_dict=True)``, kept
-#   across saves and passed as ``storage_writer``. It stages into *pinned*
-#   (page-locked) host memory, allocated at the first save and reused by every
-#   later one; pinned memory is what lets the GPU copy at full speed. The
-#   cache has the structure of the first state dict it saw, so the first save
-#   must come after the first optimizer step (Adam creates its state there).
-# * **On CPU**: that writer raises, because pinning asks for an accelerator.
-#   A :class:`~torch.distributed.checkpoint.staging.DefaultStager`, created
-#   once and passed as ``async_stager`` to every save, caches its buffers in
-#   the same way. Nothing is pinned: page-locked memory only speeds up copies
-#   from an accelerator. Close the stager after the last save.
+# Use this on GPU too, rather than the older
+# ``FileSystemWriter(path, cache_staged_state_dict=True)``: ``async_save``
+# stages through a writer only for backward compatibility with old storage
+# writers (its source says so); that writer's ``close()`` does nothing, so its
+# buffers live as long as the writer; and it pins with ``.pin_memory()``,
+# whose caching host allocator rounds every buffer up to a power of two (up to
+# about twice the host memory), where ``DefaultStager`` registers exactly the
+# bytes of each tensor's storage.
 #
-# With a reused buffer, waiting for the previous save matters twice: it is
-# also what keeps the next copy from overwriting a buffer that the previous
-# upload is still writing out.
-#
-# The rank function picks one by what the machine has, and says which ran.
+# What reuse needs is the same state at every save. ``DefaultStager`` finds a
+# buffer by the storage of the tensor it copies, so ``state_dict()`` must
+# return the same tensors each time (the live parameters and optimizer state
+# do; clones or offloaded copies get new buffers at every save). The writer's
+# cache is stricter: built from the first state dict it sees, it needs the
+# same keys and shapes at every save. Neither needs the first save to come
+# after the first optimizer step: with ``get_state_dict``, Adam's state exists
+# from the first call on (see above). And waiting for the previous save
+# matters twice here: it also keeps the next copy from overwriting a buffer
+# that the previous upload is still writing out.
 
 
-def cached_staging(checkpoint_root):
-    """async_save options that stage every save into the same host buffer."""
-    if torch.accelerator.is_available():
-        writer = FileSystemWriter(checkpoint_root, cache_staged_state_dict=True)
-        return {"storage_writer": writer}, "FileSystemWriter(cache_staged_state_dict=True)"
-    # The same options async_save uses by default, but one stager for all saves.
-    stager = DefaultStager(DEFAULT_STAGING)
-    return {"async_stager": stager}, "one DefaultStager, passed to every save"
+def train_with_one_stager(checkpoint_root):
+    stager = DefaultStager(staging_options())
+    train(checkpoint_root, async_stager=stager)
+    stager.close()  # frees the buffers it kept (and unpins them, on GPU)
+    # sphinx_gallery_start_ignore
+    return MEASURED[checkpoint_root]
+    # sphinx_gallery_end_ignore
 
 
-def train_with_cached_staging(checkpoint_root):
-    if not torch.accelerator.is_available() and dist.get_rank() == 0:
-        # What the GPU choice does on this machine: staging into pinned memory fails.
-        writer = FileSystemWriter(checkpoint_root, cache_staged_state_dict=True)
-        try:
-            writer.stage({"weight": torch.zeros(4)})  # the call async_save makes to stage
-        except RuntimeError as err:
-            print(f"FileSystemWriter(cache_staged_state_dict=True): {type(err).__name__}: {err}")
-    options, description = cached_staging(checkpoint_root)
-    result = train(checkpoint_root, **options)
-    if "async_stager" in options:
-        options["async_stager"].close()  # frees the cached buffers
-    if dist.get_rank() == 0:
-        print(f"staged with: {description}")
-    return result
-
-
-cached_runs = run_on_ranks(train_with_cached_staging, os.path.join(WORK_DIR, "cached"))
-print_saves(cached_runs)
+one_stager_runs = run_on_ranks(train_with_one_stager, os.path.join(WORK_DIR, "one-stager"))
+# sphinx_gallery_start_ignore
+print_saves(one_stager_runs)
+# sphinx_gallery_end_ignore
 
 
 # %%
@@ -454,110 +507,178 @@ print_saves(cached_runs)
 #   optimizer, launching kernels) waits for them; a process has its own
 #   interpreter.
 # * **What it costs**: a process per rank, with its own copy of torch in
-#   memory. The first save starts it (spawned: it imports torch and joins a
-#   gloo group of its own), so the first upload takes seconds longer. The
-#   staged copy has to reach it too. Staged into shared memory
-#   (``use_shared_memory=True``), it is handed over as file descriptors and
-#   read in place; staged into ordinary memory, it would be copied into shared
-#   memory once more on its way.
+#   memory, started by the first save and kept until the trainer exits. It is
+#   spawned, so a training script keeps its top-level code under
+#   ``if __name__ == "__main__":``. The first upload takes seconds longer.
+# * **Its own process group.** The checkpoint processes build a gloo world of
+#   their own on the first call: ``async_save`` uses the ``process_group``
+#   you pass only then, for this rank's rank and the world size, and to agree
+#   on a port; it does not forward it to the save (torch 2.13).
+# * **Shared memory.** The staged copy reaches the checkpoint process through
+#   shared memory, ``/dev/shm``. Staged there directly
+#   (``staging_options(checkpoint_process=True)``), it is read in place.
+#   Turning the stager's shared memory off does not avoid ``/dev/shm``:
+#   handing the staged tensors to the process moves their storage into
+#   shared memory anyway, one more copy per save (shown below). ``/dev/shm`` is
+#   one tmpfs per machine or container, shared by every rank on it: it must
+#   hold the staged copies of all local ranks together, plus headroom (in
+#   Docker the default is only 64 MB: raise it with ``--shm-size``).
+# * **Its log.** The checkpoint process logs every request at INFO level to
+#   the standard error it inherits (torch configures that process's logging
+#   itself, with no switch): in a training job those lines go to the job's
+#   log. Here they go to a file, of which the page prints a sample.
 #
-# Three details that only this page needs:
-#
-# * The checkpoint process is started with the *spawn* method, which imports
-#   the trainer's main script again in the new process. A training script
-#   keeps its top-level code under ``if __name__ == "__main__":`` and needs
-#   nothing more. This page runs its code at the top level, so it tells spawn
-#   that there is no main script to import again.
-# * The checkpoint process logs every request at INFO level to the output it
-#   inherits. Here that output goes to a file next to the checkpoints.
-# * It is a daemon child of the trainer, and torch has no public call to stop
-#   it: when the trainer exits, Python's ``multiprocessing`` stops it and
-#   removes the temporary directory it used to hand over the staged tensors.
-#   The ranks of this page leave with ``os._exit``, which skips that, so each
-#   rank runs ``multiprocessing``'s exit handler itself.
-
-
-def do_not_rerun_this_page_in_spawned_processes():
-    main = sys.modules["__main__"]
-    if getattr(main, "__spec__", None) is None:
-        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
-
-
-@contextlib.contextmanager
-def output_to(path):
-    """Point stdout and stderr (file descriptors 1 and 2) at a file for a while.
-
-    Processes started meanwhile keep writing there.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, original in zip((1, 2), saved, strict=True):
-            os.dup2(original, fd)
-            os.close(original)
-
-
-def stop_checkpoint_process():
-    """Do now what multiprocessing does when a process exits; return the memory freed."""
-    children = [child for child in multiprocessing.active_children() if child.daemon]
-    resident_bytes = sum(psutil.Process(child.pid).memory_info().rss for child in children)
-    # Terminates daemon children, and removes the temporary directory through
-    # which the staged tensors' file descriptors were handed to them.
-    multiprocessing.util._exit_function()
-    return resident_bytes
+# Under the cell, after this run's saves, all the ways of saving side by side.
+# *Stall*: how long the loop was blocked at a save (median over the saves
+# after the first, slowest rank). *Upload*: from the call until the checkpoint
+# was complete (same median). *Slow-down*: median time of the steps that
+# started while an upload was in flight, against the steps that started with
+# none (rank 0, first step left out). These are a handful of steps on a
+# shared machine: read the slow-down as rough. On this page the background
+# work competes with training for the same few CPU cores; on a GPU machine the
+# steps run on the GPU and the host has cores to spare.
 
 
 def train_in_checkpoint_process(checkpoint_root):
-    do_not_rerun_this_page_in_spawned_processes()
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=torch.accelerator.is_available(),  # pinned only helps a GPU
-            use_shared_memory=True,  # the checkpoint process reads it in place
-            use_async_staging=False,
-            use_non_blocking_copy=False,
-        )
-    )
+    stager = DefaultStager(staging_options(checkpoint_process=True))
+    # sphinx_gallery_start_ignore
     os.makedirs(checkpoint_root, exist_ok=True)
     log_path = os.path.join(checkpoint_root, f"checkpoint-process-rank{dist.get_rank()}.log")
-    with output_to(log_path):
-        result = train(
-            checkpoint_root,
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=stager,
-        )
-    resident_bytes = stop_checkpoint_process()
-    stager.close()
-    with open(log_path) as log:
-        logged = len(log.readlines())
-    print(
-        f"checkpoint process: {resident_bytes / 1e6:.0f} MB resident, {logged} log lines; "
-        f"still running after the stop: {len(multiprocessing.active_children())}"
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    sys.stderr.flush()
+    stderr_fd = os.dup(2)
+    os.dup2(log_fd, 2)  # the checkpoint process inherits this standard error
+    # sphinx_gallery_end_ignore
+    train(
+        checkpoint_root,
+        async_stager=stager,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
     )
-    return result
+    stager.close()
+    # sphinx_gallery_start_ignore
+    handover = hand_over_unshared_tensors(checkpoint_root)
+    sys.stderr.flush()
+    os.dup2(stderr_fd, 2)
+    os.close(stderr_fd)
+    os.close(log_fd)
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    resident_mb = sum(psutil.Process(child.pid).memory_info().rss for child in children) / 1e6
+    with open(log_path) as log:
+        lines = log.read().splitlines()
+    received = [line for line in lines if "Received async checkpoint request" in line]
+    print(f"checkpoint process: {len(children)} running, {resident_mb:.0f} MB resident")
+    print(f"its log: {len(lines)} lines, {len(received)} requests received; the first:")
+    print("  " + received[0].replace(checkpoint_root, "<run>"))
+    print(
+        "staged with use_shared_memory=False: in shared memory after staging: "
+        f"{handover['after_staging']}, after the handover: {handover['after_handover']}"
+    )
+    return MEASURED[checkpoint_root]
+    # sphinx_gallery_end_ignore
 
+
+# sphinx_gallery_start_ignore
+
+
+class RecordingStager(DefaultStager):
+    """A DefaultStager that keeps its last staged state dict, to look at."""
+
+    def stage(self, state_dict, **kwargs):
+        self.staged = super().stage(state_dict, **kwargs)
+        return self.staged
+
+
+def tensors_of(state_dict):
+    for value in state_dict.values():
+        if isinstance(value, dict):
+            yield from tensors_of(value)
+        elif isinstance(value, torch.Tensor):
+            yield value.to_local() if hasattr(value, "to_local") else value
+
+
+def hand_over_unshared_tensors(checkpoint_root):
+    """Save once more through the checkpoint process, staged without shared memory."""
+    options = staging_options()  # use_shared_memory=False
+    stager = RecordingStager(options)
+    state_dict = {"weights": torch.rand(256, 1024)}
+    upload = dcp.async_save(
+        state_dict,
+        checkpoint_id=os.path.join(checkpoint_root, "unshared"),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        async_stager=stager,
+    )
+    # The page asks right after async_save returns: the handover may have begun.
+    upload.result()
+    after = all(t.is_shared() for t in tensors_of(stager.staged))
+    # A fresh staging of the same tensors, not handed over, for the "before" answer.
+    fresh = DefaultStager(options).stage(state_dict)
+    before = all(t.is_shared() for t in tensors_of(fresh))
+    stager.close()
+    shutil.rmtree(os.path.join(checkpoint_root, "unshared"), ignore_errors=True)
+    return {"after_staging": before, "after_handover": after}
+
+
+# sphinx_gallery_end_ignore
 
 process_runs = run_on_ranks(train_in_checkpoint_process, os.path.join(WORK_DIR, "process"))
+# sphinx_gallery_start_ignore
 print_saves(process_runs)
+shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
+if shm is not None:
+    print(f"/dev/shm on this machine: {shm.total / 2**30:.1f} GiB, shared by all local ranks")
+print()
+
+
+def summarise(name, runs):
+    later_saves = range(1, len(runs[0]["saves"]))
+
+    def median_ms(key):
+        values = [1000 * max(r["saves"][i][key] for r in runs) for i in later_saves]
+        return statistics.median(values)
+
+    steps = runs[0]["steps"][1:]
+    idle = [step["seconds"] for step in steps if not step["in_flight"]]
+    busy = [step["seconds"] for step in steps if step["in_flight"]]
+    slowdown = "-"
+    if busy and idle:
+        slowdown = f"{statistics.median(busy) / statistics.median(idle) - 1:+.0%}"
+    upload = f"{median_ms('done'):.0f} ms"
+    in_flight = f"{len(busy)}/{len(steps)}"
+    return f"{name:<38} {median_ms('blocked'):6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
+
+
+print(f"{'strategy':<38} {'stall':>9} {'upload':>9} {'in flight':>10} {'slow-down':>10}")
+print(f"{'dcp.save (timed above)':<38} {phase_ms('dcp.save'):6.1f} ms {'-':>9} {'-':>10} {'-':>10}")
+print(summarise("async_save", async_runs))
+print(summarise("async_save, one reused DefaultStager", one_stager_runs))
+print(summarise("async_save, checkpoint process", process_runs))
+startup = max(rank["saves"][0]["done"] for rank in process_runs)
+print(f"first upload with a checkpoint process (includes starting it): {startup:.1f} s")
+# sphinx_gallery_end_ignore
 
 
 # %%
 # Resume from the newest complete checkpoint
 # ------------------------------------------
 # DCP writes ``.metadata`` last, on rank 0, after every rank's data is on
-# storage. A directory without it is a save that did not finish: still in
-# flight, or torn because the job stopped (or destroyed the process group)
-# before the upload completed. ``dcp.load`` on such a directory fails with a
-# missing-file error from deep inside DCP. Resume logic should skip it and
-# fall back to the previous checkpoint; ``load_checkpoint`` refuses it with a
-# plain message.
+# storage: with a fresh directory for every save, a directory without it is a
+# save that did not finish (still in flight, or torn because the job stopped
+# or destroyed the process group before the upload completed). Resume logic
+# skips it and falls back to the previous checkpoint; ``load_checkpoint``
+# refuses it with a plain message.
+#
+# That check holds only under two conditions:
+#
+# * **Never reuse a checkpoint directory.** ``FileSystemWriter`` overwrites by
+#   default (``overwrite=True``) and replaces ``.metadata`` only at the very
+#   end: while a second save into the same directory is writing, and after it
+#   is torn, the old ``.metadata`` is still there and the directory looks
+#   complete (shown at the end of this page). The only sign is a warning from
+#   torch, ``Detected an existing checkpoint in ..., overwriting``.
+# * **Save with collectives** (the default). ``use_collectives=False`` writes
+#   one ``__{rank}.metadata`` per rank and no ``.metadata``, so this check
+#   rejects every such checkpoint (``dcp.load`` itself falls back to those
+#   files).
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -584,31 +705,35 @@ def latest_complete_checkpoint(checkpoint_root):
 
 
 def load_checkpoint(checkpoint_dir, app_state):
-    if not is_complete(checkpoint_dir):
+    if checkpoint_dir is None or not is_complete(checkpoint_dir):
         raise IncompleteCheckpointError(f"incomplete checkpoint: {checkpoint_dir} has no .metadata")
     dcp.load({"app": app_state}, checkpoint_id=checkpoint_dir)
 
 
-RUNS = {
-    "async-save": async_runs,
-    "cached": cached_runs,
-    "process": process_runs,
-}
-for name in RUNS:
+RUN_NAMES = ("async-save", "one-stager", "process")
+# sphinx_gallery_start_ignore
+RUNS = dict(zip(RUN_NAMES, (async_runs, one_stager_runs, process_runs), strict=True))
+for name in RUN_NAMES:
     checkpoint_root = os.path.join(WORK_DIR, name)
     marks = []
     for step in saved_steps(checkpoint_root):
         checkpoint_dir = os.path.join(checkpoint_root, f"step-{step}")
         marks.append(f"step-{step} {'complete' if is_complete(checkpoint_dir) else 'INCOMPLETE'}")
     print(f"{name + '/':<12} {', '.join(marks)}")
+# sphinx_gallery_end_ignore
 
 
 # %%
 # Training went on after the last save was called: the steps after it ran
 # while the checkpoint was being written, and changed the very tensors it was
 # copied from. Load the newest complete checkpoint of each run into a freshly
-# built model and compare it with the state at the moment of the save call,
-# and with the live model at the end of training:
+# built model, as a restarted job does. The page compares it with the state
+# at the moment of the save call, and with the live model at the end of
+# training.
+
+# sphinx_gallery_start_ignore
+# The state of each run at its last save call, and at its end (rank 0's).
+EXPECTATIONS = {name: (runs[0]["expected"], runs[0]["final"]) for name, runs in RUNS.items()}
 
 
 def count_mismatches(expected, actual, prefix=""):
@@ -629,74 +754,251 @@ def count_mismatches(expected, actual, prefix=""):
     return compared, differ
 
 
-def resume_and_verify(work_dir, expectations):
-    for name, (expected, final) in expectations.items():
-        checkpoint_dir = latest_complete_checkpoint(os.path.join(work_dir, name))
-        model, optimizer = build_sharded_model(seed=1)  # other weights: nothing matches by luck
-        load_checkpoint(checkpoint_dir, AppState(model, optimizer))
-        loaded = full_state(model, optimizer)  # collective: every rank calls it
-        if dist.get_rank() != 0:
-            continue
-        compared, differ = count_mismatches(expected, loaded)
-        _, moved_on = count_mismatches(final, loaded)
-        print(
-            f"{os.path.relpath(checkpoint_dir, work_dir)}: {compared} tensors, "
-            f"{len(differ)} differ from the state at the save call, "
-            f"{len(moved_on)} from the live model at the end"
-        )
-        assert not differ, f"{checkpoint_dir} is not the state at the save call: {differ}"
-        assert moved_on, "training did not change the model after the save"
+def verify(checkpoint_dir, model, optimizer, expected, final):
+    loaded = full_state(model, optimizer)  # collective: every rank calls it
+    if dist.get_rank() != 0:
+        return
+    compared, differ = count_mismatches(expected, loaded)
+    _, moved_on = count_mismatches(final, loaded)
+    print(
+        f"{os.path.relpath(checkpoint_dir, WORK_DIR)}: {compared} tensors, "
+        f"{len(differ)} differ from the state at the save call, "
+        f"{len(moved_on)} from the live model at the end"
+    )
+    assert not differ, f"{checkpoint_dir} is not the state at the save call: {differ}"
+    assert moved_on, "training did not change the model after the save"
 
 
-expectations = {name: (runs[0]["expected"], runs[0]["final"]) for name, runs in RUNS.items()}
-run_on_ranks(resume_and_verify, WORK_DIR, expectations)
+# sphinx_gallery_end_ignore
+
+
+def resume(checkpoint_root):
+    model, optimizer = build_sharded_model(seed=1)  # other weights: nothing matches by luck
+    checkpoint_dir = latest_complete_checkpoint(checkpoint_root)
+    load_checkpoint(checkpoint_dir, AppState(model, optimizer))
+    # sphinx_gallery_start_ignore
+    verify(checkpoint_dir, model, optimizer, *EXPECTATIONS[os.path.basename(checkpoint_root)])
+    # sphinx_gallery_end_ignore
+    return model, optimizer
+
+
+def resume_every_run(work_dir):
+    for name in RUN_NAMES:
+        resume(os.path.join(work_dir, name))
+
+
+run_on_ranks(resume_every_run, WORK_DIR)
 
 
 # %%
-# What each way of saving cost the loop
-# -------------------------------------
-# *Stall*: how long the loop was blocked at a save (median over the saves
-# after the first, slowest rank). *Upload*: from the call until the checkpoint
-# was complete (same median). *Slow-down*: median time of the steps that
-# started while an upload was in flight, against the steps that started with
-# none (rank 0, first step left out). These are a handful of steps on a
-# shared machine: read the slow-down as rough. On this page the background
-# work competes with training for the same few CPU cores; on a GPU machine the
-# steps run on the GPU and the host has cores to spare.
+# When a checkpoint is torn
+# -------------------------
+# A normal exit does not tear a checkpoint: Python waits for the upload
+# thread before the interpreter ends, so a script that calls ``async_save``
+# and then returns (or calls ``sys.exit(0)``) still leaves a complete
+# checkpoint. What tears one is a save that cannot finish: the process group
+# destroyed before the upload completed, ``os._exit``, a kill or a crash.
+#
+# The page shows each symptom with a writer that pauses once its data is
+# written, so that the mistake happens at a known moment:
+#
+# * destroying the group while the upload runs makes the upload's future
+#   raise ``ValueError`` (the group is gone), and the directory has data files
+#   but no ``.metadata``;
+# * ``dcp.load`` on that directory raises ``CheckpointException`` wrapping the
+#   missing-metadata error;
+# * a second save into a directory that already holds a checkpoint passes the
+#   ``.metadata`` check while it is still writing.
+#
+# ``CheckpointException`` derives from ``BaseException``, not ``Exception``
+# (like ``KeyboardInterrupt``): ``except Exception`` does not catch a failed
+# ``dcp.load`` or ``dcp.save``. Catch it by name:
+
+print(f"CheckpointException is an Exception: {issubclass(CheckpointException, Exception)}")
+
+# sphinx_gallery_start_ignore
+EXIT_WITHOUT_WAITING = textwrap.dedent(
+    """
+    import sys, threading, torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    exiting = threading.Event()
+
+    class WriterThatWaitsForTheExit(FileSystemWriter):
+        def write_data(self, plan, planner):
+            exiting.wait()  # until the main thread is about to exit
+            return super().write_data(plan, planner)
+
+    writer = WriterThatWaitsForTheExit(sys.argv[1])
+    state_dict = {"weights": torch.rand(1024, 1024)}
+    upload = dcp.async_save(state_dict, storage_writer=writer, no_dist=True)
+    print("upload still in flight right before sys.exit(0):", not upload.done())
+    exiting.set()  # lets the upload go on, in the thread that Python joins at exit
+    sys.exit(0)
+    """
+)
 
 
-def summarise(name, runs):
-    later_saves = range(1, len(runs[0]["saves"]))
-
-    def median_ms(key):
-        values = [1000 * max(r["saves"][i][key] for r in runs) for i in later_saves]
-        return statistics.median(values)
-
-    steps = runs[0]["steps"][1:]
-    idle = [step["seconds"] for step in steps if not step["in_flight"]]
-    busy = [step["seconds"] for step in steps if step["in_flight"]]
-    slowdown = "-"
-    if busy and idle:
-        slowdown = f"{statistics.median(busy) / statistics.median(idle) - 1:+.0%}"
-    upload = f"{median_ms('done'):.0f} ms"
-    in_flight = f"{len(busy)}/{len(steps)}"
-    return f"{name:<34} {median_ms('blocked'):6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
+def exit_without_waiting(checkpoint_dir):
+    """A fresh interpreter that calls async_save and exits at once."""
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_WAITING, checkpoint_dir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout.strip())
+    print(f"after a normal exit, {os.path.basename(checkpoint_dir)}/ is complete: ", end="")
+    print(is_complete(checkpoint_dir))
 
 
-print(f"{'strategy':<34} {'stall':>9} {'upload':>9} {'in flight':>10} {'slow-down':>10}")
-print(f"{'dcp.save (timed above)':<34} {phase_ms('dcp.save'):6.1f} ms {'-':>9} {'-':>10} {'-':>10}")
-print(summarise("async_save", async_runs))
-print(summarise("async_save, reused staging buffer", cached_runs))
-print(summarise("async_save, checkpoint process", process_runs))
-startup = max(rank["saves"][0]["done"] for rank in process_runs)
-print(f"first upload with a checkpoint process (includes starting it): {startup:.1f} s")
+class HeldWriter(FileSystemWriter):
+    """A real FileSystemWriter whose upload, once its data is written, waits to be released."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.data_written = threading.Event()
+        self.release = threading.Event()
+
+    def write_data(self, plan, planner):
+        writes = super().write_data(plan, planner)
+        writes.wait()
+        self.data_written.set()
+        assert self.release.wait(60), "never released"
+        return writes
+
+
+def held_save(state_dict, checkpoint_dir, group):
+    writer = HeldWriter(checkpoint_dir)
+    upload = dcp.async_save(state_dict, storage_writer=writer, process_group=group)
+    assert writer.data_written.wait(60), f"the data of {checkpoint_dir} was never written"
+    dist.barrier()  # every rank's data is written; nothing is in flight on the group
+    return writer, upload
+
+
+def say_once(what, message):
+    """Print a message once, with the ranks that had it (a collective); True on rank 0."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    ranks = [rank for rank, other in enumerate(messages) if other == message]
+    if dist.get_rank() == 0:
+        print(f"{what} {ranks}: {message.replace(WORK_DIR, '<work>')}")
+    return dist.get_rank() == 0
+
+
+def tear_saves(root):
+    rank = dist.get_rank()
+    model, optimizer = build_sharded_model(seed=0)
+    state_dict = {"app": AppState(model, optimizer)}
+    checkpoint_group = dist.new_group(backend="gloo")
+    train_step(model, optimizer)
+    dcp.async_save(
+        state_dict, checkpoint_id=f"{root}/step-1", process_group=checkpoint_group
+    ).result()
+    saved = full_state(model, optimizer)  # the state in step-1, to compare with at the end
+
+    # 1. The group is destroyed while the upload of step 2 still runs.
+    train_step(model, optimizer)
+    writer, upload = held_save(state_dict, f"{root}/step-2", checkpoint_group)
+    dist.destroy_process_group(checkpoint_group)  # the mistake
+    writer.release.set()
+    try:
+        upload.result(timeout=60)
+        error = None
+    except Exception as err:
+        # The group's address differs between ranks: the rest of the message does not.
+        error = re.sub(r" at 0x[0-9a-f]+", " at 0x...", f"{type(err).__name__}: {err}")
+    if say_once("upload of step-2 raised on ranks", error):
+        files = sorted(os.listdir(f"{root}/step-2"))
+        print(f"step-2/ holds {files}; complete: {is_complete(f'{root}/step-2')}")
+
+    # 2. dcp.load on the torn directory, and the page's own loader.
+    logging.disable(logging.WARNING)  # dcp.load logs each missing file with a traceback
+    try:
+        try:
+            dcp.load(state_dict, checkpoint_id=f"{root}/step-2")
+            error = "loaded"
+        except Exception:
+            error = "caught by `except Exception`"
+    except CheckpointException as err:
+        wrapped, _ = err.failures[rank]
+        parts = str(wrapped).split("; ")
+        error = f"CheckpointException wrapping {type(wrapped).__name__}:\n  {parts[0]}; {parts[1]}"
+    finally:
+        logging.disable(logging.NOTSET)
+    say_once("dcp.load(step-2) raised on ranks", error)
+    if rank == 0:
+        try:
+            load_checkpoint(f"{root}/step-2", AppState(model, optimizer))
+        except IncompleteCheckpointError as err:
+            message = str(err).replace(WORK_DIR, "<work>")
+            print(f"load_checkpoint(step-2): {type(err).__name__}: {message}")
+
+    # 3. The same mistake in a directory that already holds a checkpoint. (torch
+    # warns "Detected an existing checkpoint in ..., overwriting": said in the text.)
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+    checkpoint_group = dist.new_group(backend="gloo")
+    reused = f"{root}/reused"
+    dcp.async_save(state_dict, checkpoint_id=reused, process_group=checkpoint_group).result()
+    train_step(model, optimizer)
+    writer, upload = held_save(state_dict, reused, checkpoint_group)
+    while_writing = is_complete(reused)
+    dist.destroy_process_group(checkpoint_group)
+    writer.release.set()
+    try:
+        upload.result(timeout=60)
+        torn = False
+    except Exception:
+        torn = True
+    dist.barrier()
+    if rank == 0:
+        print(
+            f"reused/ saved into again: passes the .metadata check while writing: {while_writing}"
+            f"; torn: {torn}; passes it after the tear: {is_complete(reused)}"
+        )
+
+    # 4. use_collectives=False: one metadata file per rank, none that the check knows.
+    checkpoint_group = dist.new_group(backend="gloo")
+    no_collectives = f"{root}/no-collectives"
+    dcp.async_save(
+        state_dict,
+        checkpoint_id=no_collectives,
+        process_group=checkpoint_group,
+        use_collectives=False,
+    ).result()
+    dist.destroy_process_group(checkpoint_group)
+    dist.barrier()
+    if rank == 0:
+        metadata = sorted(f for f in os.listdir(no_collectives) if f.endswith(".metadata"))
+        print(f"use_collectives=False wrote {metadata}; complete: {is_complete(no_collectives)}")
+    resume_after_the_tear(root, saved)
+
+
+def resume_after_the_tear(root, expected):
+    model, optimizer = build_sharded_model(seed=1)
+    checkpoint_dir = latest_complete_checkpoint(root)
+    load_checkpoint(checkpoint_dir, AppState(model, optimizer))
+    loaded = full_state(model, optimizer)
+    if dist.get_rank() == 0:
+        compared, differ = count_mismatches(expected, loaded)
+        print(
+            f"resumed from {os.path.basename(checkpoint_dir)}: {compared} tensors, "
+            f"{len(differ)} differ from the state at its save"
+        )
+        assert not differ, differ
+
+
+run_on_one_process(exit_without_waiting, os.path.join(WORK_DIR, "exit", "step-1"))
+torn_root = os.path.join(WORK_DIR, "torn")
+run_on_ranks(tear_saves, torn_root)
+# sphinx_gallery_end_ignore
 
 
 # %%
 # Clean up
 # --------
-
-import shutil
 
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
