@@ -119,7 +119,9 @@ from torch.distributed.fsdp import fully_shard
 # sphinx_gallery_start_ignore
 # isort: split
 # What the page measures and proves with; none of it is needed in a training loop.
+import collections
 import glob
+import json
 import statistics
 import threading
 import time
@@ -344,42 +346,68 @@ def host_buffers(stager):
 
 
 class Timeline:
-    """What ran when on this rank, in seconds since the timeline was created."""
+    """What ran when on this rank, in seconds since the timeline was created.
 
-    def __init__(self, checkpoint_root, stager=None):
-        self.root, self.stager = checkpoint_root, stager
+    Each block of the training thread is also a ``torch.profiler.record_function``
+    range, and with ``trace=`` the rank runs under ``torch.profiler`` and writes a
+    Chrome trace (Perfetto, chrome://tracing) at the end.
+    """
+
+    def __init__(self, checkpoint_root, stager=None, trace=None):
+        self.root, self.stager, self.trace = checkpoint_root, stager, trace
         self.origin = time.perf_counter()
-        self.since = 0.0
+        self.open = None  # the block running now: (what, step, start, profiler range)
         self.blocks = []  # (what, step, start, end) on the training thread
         self.saves = []  # one dict per save: when it was called, returned, staged, uploaded
         self.staging_threads = set()
+        self.profiler = None
+        if trace:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # Every thread: the stager's copies and the upload run on threads of their own.
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            self.profiler = torch.profiler.profile(
+                activities=activities, experimental_config=every_thread
+            )
+            self.profiler.start()
+            if stager is not None:
+                stager._stage = in_a_profiler_range("DefaultStager: copy to host", stager._stage)
 
     def now(self):
         return time.perf_counter() - self.origin
 
-    def start(self):
-        self.since = self.now()
+    def begin(self, what, step):
+        """A block of the training thread begins now (and the one before it ends)."""
+        self.end()
+        profiler_range = torch.profiler.record_function(what, f"step {step}")
+        profiler_range.__enter__()
+        self.open = (what, step, self.now(), profiler_range)
 
-    def record(self, what, step):
-        """The block that started at the last start() or record() ends now."""
+    def end(self):
+        if self.open is None:
+            return
         if torch.accelerator.is_available():
             # Time the GPU's work, not only its launch; only this stream, so
             # that the stager's copies on its own stream keep running.
             torch.accelerator.current_stream().synchronize()
-        end = self.now()
-        self.blocks.append((what, step, self.since, end))
-        self.since = end
+        what, step, start, profiler_range = self.open
+        profiler_range.__exit__(None, None, None)
+        self.blocks.append((what, step, start, self.now()))
+        self.open = None
 
     def snapshot(self, app_state, step):
-        torch.save(local_copy(app_state.state_dict()), page_file(self.root, f"step-{step}", rank()))
+        with torch.profiler.record_function("page: copy of the state for the check"):
+            state = local_copy(app_state.state_dict())
+        torch.save(state, page_file(self.root, f"step-{step}", rank()))
 
-    def start_save(self, step):
-        self.saves.append({"step": step, "called": self.now()})
-        self.since = self.saves[-1]["called"]
+    def begin_save(self, step):
+        self.begin("async_save", step)
+        self.saves.append({"step": step, "called": self.open[2]})
 
     def end_save(self, response):
+        self.end()
         save = self.saves[-1]
-        self.record("async_save", save["step"])
         save["returned"] = self.blocks[-1][3]
         save["response"] = type(response).__name__
         training_thread = threading.current_thread()
@@ -421,11 +449,31 @@ class Timeline:
         if app_state is not None:
             torch.save(local_copy(app_state.state_dict()), page_file(self.root, "final", rank()))
         report = {"blocks": self.blocks, "saves": self.saves}
+        if self.profiler is not None:
+            self.profiler.stop()
+            if rank() == 0:
+                report["trace"] = trace_path(self.root, self.trace)
+                self.profiler.export_chrome_trace(report["trace"])
         torch.save(report, page_file(self.root, name, rank()))
+
+
+def trace_path(checkpoint_root, name):
+    """Where a profiler trace goes: the build's download folder if it names one."""
+    folder = os.environ.get("DCP_RECIPES_DOWNLOAD_DIR") or os.path.join(checkpoint_root, "page")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{name}.json")
 
 
 def rank():
     return dist.get_rank()
+
+
+def in_a_profiler_range(name, function):
+    def traced(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return function(*args, **kwargs)
+
+    return traced
 
 
 def measured_runs(checkpoint_root, name):
@@ -445,7 +493,7 @@ def train_with_default_stager(checkpoint_root):
     device = device_for_this_rank()
     response = None
     # sphinx_gallery_start_ignore
-    timeline = Timeline(checkpoint_root, stager)
+    timeline = Timeline(checkpoint_root, stager, trace="default_stager_trace_rank0")
     # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
@@ -453,36 +501,36 @@ def train_with_default_stager(checkpoint_root):
             batch = torch.rand(BATCH, WIDTH, device=device)
             optimizer.zero_grad()
             # sphinx_gallery_start_ignore
-            timeline.start()
+            timeline.begin("forward", step)
             # sphinx_gallery_end_ignore
             loss = model(batch).pow(2).mean()  # overlaps the copy of the last save
             # sphinx_gallery_start_ignore
-            timeline.record("forward", step)
+            timeline.begin("backward", step)
             # sphinx_gallery_end_ignore
             loss.backward()  # so does this
             # sphinx_gallery_start_ignore
-            timeline.record("backward", step)
+            timeline.begin("wait for staging", step)
             # sphinx_gallery_end_ignore
             response.staging_completion.result()  # rule 7
             # sphinx_gallery_start_ignore
-            timeline.record("wait for staging", step)
+            timeline.begin("optimizer.step", step)
             # sphinx_gallery_end_ignore
             optimizer.step()
             # sphinx_gallery_start_ignore
-            timeline.record("optimizer.step", step)
+            timeline.end()
             # sphinx_gallery_end_ignore
 
         if step % SAVE_EVERY == 0:
             # sphinx_gallery_start_ignore
-            timeline.start()
+            timeline.begin("wait for upload", step)
             # sphinx_gallery_end_ignore
             if response is not None:
                 response.upload_completion.result()  # rule 3
             # sphinx_gallery_start_ignore
-            timeline.record("wait for upload", step)
+            timeline.end()
             if step > 0:
                 timeline.snapshot(app_state, step)  # the state at this save, for the check
-            timeline.start_save(step)
+            timeline.begin_save(step)
             # sphinx_gallery_end_ignore
             if torch.accelerator.is_available():
                 torch.accelerator.current_stream().synchronize()  # rule 4
@@ -532,7 +580,7 @@ def train_with_plain_async_save(checkpoint_root):
     device = device_for_this_rank()
     upload = None
     # sphinx_gallery_start_ignore
-    timeline = Timeline(checkpoint_root)
+    timeline = Timeline(checkpoint_root, trace="plain_async_save_trace_rank0")
     # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
@@ -540,30 +588,29 @@ def train_with_plain_async_save(checkpoint_root):
             batch = torch.rand(BATCH, WIDTH, device=device)
             optimizer.zero_grad()
             # sphinx_gallery_start_ignore
-            timeline.start()
+            timeline.begin("forward", step)
             # sphinx_gallery_end_ignore
             loss = model(batch).pow(2).mean()
             # sphinx_gallery_start_ignore
-            timeline.record("forward", step)
+            timeline.begin("backward", step)
             # sphinx_gallery_end_ignore
             loss.backward()
             # sphinx_gallery_start_ignore
-            timeline.record("backward", step)
+            timeline.begin("optimizer.step", step)
             # sphinx_gallery_end_ignore
             optimizer.step()
             # sphinx_gallery_start_ignore
-            timeline.record("optimizer.step", step)
+            timeline.end()
             # sphinx_gallery_end_ignore
 
         if step % SAVE_EVERY == 0:
             # sphinx_gallery_start_ignore
-            timeline.start()
+            timeline.begin("wait for upload", step)
             # sphinx_gallery_end_ignore
             if upload is not None:
                 upload.result()
             # sphinx_gallery_start_ignore
-            timeline.record("wait for upload", step)
-            timeline.start_save(step)
+            timeline.begin_save(step)
             # sphinx_gallery_end_ignore
             upload = dcp.async_save(
                 {"app": app_state},
@@ -700,6 +747,37 @@ def loop_seconds(run):
     return max(end for _, end in steps) - min(start for start, _ in steps)
 
 
+def describe_trace(path):
+    """What rank 0's profiler trace holds: the loop's ranges by thread, and GPU streams."""
+    with open(path) as trace_file:
+        events = json.load(trace_file)["traceEvents"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    training = next(e["tid"] for e in ranges if e["name"] == "forward")
+    phases = ["forward", "backward", "wait for staging", "optimizer.step"]
+    phases += ["wait for upload", "async_save"]
+    on_training = collections.Counter(e["name"] for e in ranges if e["tid"] == training)
+    copies = [e for e in ranges if e["name"] == "DefaultStager: copy to host"]
+    where = (
+        "a thread of its own" if copies and copies[0]["tid"] != training else "the training thread"
+    )
+    counts = ", ".join(f"{name} x{on_training[name]}" for name in phases if on_training[name])
+    print(f"{os.path.basename(path)}: {os.path.getsize(path) / 1e6:.1f} MB, {len(events)} events")
+    print(f"  on the training thread: {counts}")
+    if copies:
+        print(f"  DefaultStager: copy to host x{len(copies)}, on {where}")
+    streams = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy"):
+            streams[e["cat"]][e.get("args", {}).get("stream")] += 1
+    if streams:  # on a GPU: which streams ran the kernels and the device-to-host copies
+        print(f"  GPU kernels by stream: {dict(streams['kernel'])}")
+        print(f"  GPU copies by stream: {dict(streams['gpu_memcpy'])}")
+
+
+print("\nProfiler traces of rank 0 (open in https://ui.perfetto.dev or chrome://tracing):")
+for run in (default_stager_runs[0], plain_runs[0]):
+    describe_trace(run["trace"])
+
 print("\nEach save after the first, rank 0, ms since the async_save call:")
 describe_saves(default_stager_runs[0])
 measured = [save["step"] for save in default_stager_runs[0]["saves"][1:]]
@@ -729,7 +807,14 @@ print(
 # each ``DefaultStager`` save is the page's own copy of the state for the
 # check below, not part of the loop.
 #
-# The lines under it give the numbers for each save after the first: times in
+# The build also ran both loops under ``torch.profiler``, each phase of the
+# loop in a ``torch.profiler.record_function`` range of that name, and the
+# stager's copy in one of its own; the lines under the figure say what rank
+# 0's two traces hold. A profile of your own job shows the same picture: the
+# copy on a thread of the stager's, and on a GPU the device-to-host copies on
+# the stager's stream beside the compute kernels on yours.
+#
+# The lines after them give the numbers for each save after the first: times in
 # ms since the ``async_save`` call, on rank 0. The copy (``staging``) starts
 # inside the call. If it is still running when the call returns, the next
 # step's forward and backward pass run beside it; either way that step's

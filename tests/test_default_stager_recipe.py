@@ -152,6 +152,20 @@ def assert_staging_error_surfaces(output: str, world_size: int, swallowed: bool)
         assert sorted(int(r) for r in STAGING_SWALLOWED.findall(output)) == raised
 
 
+def assert_profiler_traces(output: str) -> None:
+    """Issue 14.2: the loop's phases are profiler ranges; the stager copies on its own thread."""
+    traces = dict(re.findall(r"(\w+_trace_rank0\.json): ([\d.]+) MB, \d+ events", output))
+    assert set(traces) == {"default_stager_trace_rank0.json", "plain_async_save_trace_rank0.json"}
+    assert all(float(size) > 0 for size in traces.values())
+    phases = re.findall(r"  on the training thread: (.*)", output)
+    assert phases == [
+        "forward x10, backward x10, wait for staging x10, optimizer.step x10, "
+        "wait for upload x4, async_save x4",
+        "forward x10, backward x10, optimizer.step x10, wait for upload x4, async_save x4",
+    ], phases
+    assert "  DefaultStager: copy to host x4, on a thread of its own" in output
+
+
 def assert_cleaned_up(output: str, recipe_runner) -> None:
     assert re.search(r"removed \S+: True", output)
     assert recipe_runner.leftovers() == []
@@ -193,6 +207,7 @@ def test_recipe_as_the_gallery_runs_it(recipe_runner, tmp_path):
     assert all(int(n) > steps_and_saves for n in bars.values()), bars
     assert figure_path.stat().st_size > 10_000
     assert re.search(r"median\s+[\d.]+\s+[\d.]+", output), "the blocked-time table"
+    assert_profiler_traces(output)
     assert_cleaned_up(output, recipe_runner)
 
 
