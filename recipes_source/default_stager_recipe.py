@@ -86,9 +86,9 @@ page.
 #    #    those tensors in the state you save.
 #    # 7. Otherwise wait on response.staging_completion right before
 #    #    optimizer.step(), the first line that changes the saved tensors.
-#    # 8. Always wait on response.upload_completion.result(), and after the
-#    #    last save too, then stager.close(): it raises a staging error that
-#    #    staging_completion can report as success.
+#    # 8. Always wait on response.upload_completion.result(): it raises a
+#    #    staging error that staging_completion can report as success. After
+#    #    the last save, wait on it, then stager.close().
 #    # 9. Destroy process groups only after that wait (dist.barrier() first for
 #    #    the default group): a group destroyed under a running upload leaves a
 #    #    checkpoint without .metadata.
@@ -172,9 +172,9 @@ print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
 # there are no streams.
 #
 # Whatever the options, the stager keeps the host copy of each tensor between
-# saves and copies into it again at the next one: only the first save
-# allocates. The last section shows when that reuse happens and when it does
-# not.
+# saves and copies into it again at the next one, so only the first save
+# allocates, as long as ``state_dict()`` returns the same tensors every time:
+# a section below shows when that reuse happens and when it does not.
 #
 # Without an accelerator the defaults raise (below). The rule this site uses
 # on every page, with ``use_async_staging=True`` because this page stages in
@@ -209,7 +209,7 @@ def show_staging_options():
     print(f"this page stages with {staging_options()}")
 
 
-# A rank, not this process, creates the stagers: on a GPU machine a stager
+# A rank, not this process, tries the defaults: on a GPU machine a stager
 # creates a CUDA stream, and the process that starts the ranks must not touch CUDA.
 run_on_ranks(show_staging_options)
 
@@ -774,7 +774,7 @@ def describe_trace(path):
         print(f"  GPU copies by stream: {dict(streams['gpu_memcpy'])}")
 
 
-print("\nProfiler traces of rank 0 (open in https://ui.perfetto.dev or chrome://tracing):")
+print("\nProfiler traces of rank 0 (Chrome trace JSON: https://ui.perfetto.dev, chrome://tracing):")
 for run in (default_stager_runs[0], plain_runs[0]):
     describe_trace(run["trace"])
 
@@ -1017,7 +1017,9 @@ run_on_ranks(show_buffer_reuse, os.path.join(WORK_DIR, "reuse"))
 # %%
 # So keep the stager and return the live tensors from ``state_dict()``; if it
 # must build new ones, the stager's cache cannot help, and each save costs an
-# allocation of the whole host copy.
+# allocation of the whole host copy (with pinned memory, pinning it too). If
+# those new tensors are made on the GPU, synchronize at the end of
+# ``state_dict()`` (rule 4).
 #
 # Where a staging error shows up (rule 8)
 # ---------------------------------------
@@ -1028,7 +1030,8 @@ run_on_ranks(show_buffer_reuse, os.path.join(WORK_DIR, "reuse"))
 # failed when it looks, it reports success (``state_dict_saver.py``:
 # ``if not staging_future.done(): staging_future.add_done_callback(callback)``
 # ``else: return_staging_future.set_result(None)``). A copy that fails at once
-# usually has; this build makes sure it has (with lines it does not show). The
+# has usually failed by then; this build makes sure of it (with lines it does
+# not show). The
 # upload starts from the stager's future itself, so ``upload_completion``
 # raises the error every time.
 
