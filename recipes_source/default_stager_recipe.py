@@ -27,6 +27,8 @@ checkpoint holds the state of its step, bit for bit.
          compared with plain ``async_save``
        * Check that the checkpoint is the state at the save, although the
          optimizer stepped while it was being written
+       * Which Python values are safe to change after the call, when the
+         stager reuses its host buffers, and where a staging error shows up
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -39,9 +41,12 @@ checkpoint holds the state of its step, bit for bit.
 As on every page of this site, code that runs on every rank is launched by
 ``run_on_ranks``, which starts the ranks (or uses the ones ``torchrun`` made)
 and prints what each rank printed, labelled ``[rankN]``. The functions it runs
-are plain DCP code for a training script started with ``torchrun``. Every
-number below was measured when this page was built, on the machine named at
-the top of the page.
+are plain DCP code for a training script started with ``torchrun``: the loops
+below are the loops to paste. The timers, the timeline and the checks that
+prove what the page says run too, but they are not shown here and not in the
+notebook; they are in the downloadable ``.py``. Every number below was
+measured when this page was built, on the machine named at the top of the
+page.
 """
 
 # %%
@@ -56,73 +61,78 @@ the top of the page.
 #    # Checkpointing with DefaultStager(StagingOptions(use_async_staging=True)):
 #    # 1. Checkpoint on a gloo group of its own, passed to every async_save:
 #    #    checkpoint_group = dist.new_group(backend="gloo").
-#    # 2. Before each async_save, wait for the previous one:
+#    # 2. Create one stager per rank, after torch.cuda.set_device (its copy
+#    #    stream is created on the current device), and pass it to every save.
+#    # 3. Before each async_save, wait for the previous one:
 #    #    response.upload_completion.result(). A reused stager copies into the
 #    #    same host buffers that upload is still writing from: skipping the wait
 #    #    can corrupt the previous checkpoint, it does not only cost memory.
-#    # 3. On GPU, let the optimizer step finish before async_save:
-#    #    torch.accelerator.current_stream().synchronize(). The stager copies on
-#    #    a stream of its own, which does not wait for yours.
-#    # 4. Hand async_save copies of Python values the loop keeps changing (step
-#    #    counters, progress dicts): the stager copies them in the background too.
-#    # 5. If the forward pass changes state-dict tensors in place (BatchNorm
+#    # 4. With async staging and non-blocking copies on an accelerator,
+#    #    synchronize right before async_save:
+#    #    torch.accelerator.current_stream().synchronize(). The stager copies
+#    #    on a stream of its own, which does not wait for yours.
+#    #    async_save calls state_dict() after that line: if your state_dict()
+#    #    launches device work (clones, CPU offload, full state dicts, the
+#    #    zero-lr step get_state_dict runs to create Adam's state), synchronize
+#    #    at its end too.
+#    # 5. async_save calls state_dict() and copies your top-level dict during
+#    #    the call, so a plain int or float (a step counter) is fixed then. A
+#    #    dict or list passed or returned by reference is copied later, in the
+#    #    stager's thread: hand async_save a copy of a container the loop keeps
+#    #    changing (dict(progress)).
+#    # 6. If the forward pass changes state-dict tensors in place (BatchNorm
 #    #    running stats, buffers updated in forward), wait on
 #    #    response.staging_completion before the next forward, or put clones of
 #    #    those tensors in the state you save.
-#    # 6. Otherwise wait on response.staging_completion right before
+#    # 7. Otherwise wait on response.staging_completion right before
 #    #    optimizer.step(), the first line that changes the saved tensors.
-#    # 7. After the last save: response.upload_completion.result(), then
-#    #    stager.close().
-#    # 8. Destroy process groups only after that wait (dist.barrier() first for
+#    # 8. Always wait on response.upload_completion.result(): it raises a
+#    #    staging error that staging_completion can report as success. After
+#    #    the last save, wait on it, then stager.close().
+#    # 9. Destroy process groups only after that wait (dist.barrier() first for
 #    #    the default group): a group destroyed under a running upload leaves a
 #    #    checkpoint without .metadata.
 #
-# This page runs a loop that follows them and measures it.
-# :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py` breaks rules 2, 4, 5
-# and 6 on purpose, shows what each break writes into the checkpoint, and
+# This page runs a loop that follows them and measures it, then shows rules
+# 5 and 8 and the stager's buffer reuse at work.
+# :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py` breaks rules 3, 5, 6
+# and 7 on purpose, shows what each break writes into the checkpoint, and
 # proves each fix.
 
 # %%
 # Setup
 # -----
-# ``DefaultStager``, ``StagingOptions`` and ``AsyncSaveResponse`` arrived in
-# PyTorch 2.9. On an older version the script says so and stops before it
-# imports them.
 
-import sys
-
-import torch
-
-
-def torch_is_at_least(version, minimum=(2, 9)):
-    """True if a torch version string is ``minimum`` or later (nightlies of it count)."""
-    major, minor = (int(part) for part in version.split(".")[:2])
-    return (major, minor) >= minimum
-
-
-if not torch_is_at_least(torch.__version__):
-    print(f"This recipe needs PyTorch 2.9 or later; this is torch {torch.__version__}.")
-    sys.exit(0)
-
-import contextlib
 import os
 import shutil
-import statistics
-import threading
-import time
-import warnings
 
-import matplotlib.pyplot as plt
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from rank_launcher import run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
+
+# sphinx_gallery_start_ignore
+# isort: split
+# What the page measures and proves with; none of it is needed in a training loop.
+import collections
+import glob
+import json
+import statistics
+import threading
+import time
+import warnings
+from concurrent.futures import wait
+
+import matplotlib.pyplot as plt
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.tensor import DTensor
+
+# sphinx_gallery_end_ignore
 
 WORK_DIR = shared_tempdir("dcp-default-stager-")
 print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
@@ -135,58 +145,72 @@ print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
 # switches, all on by default:
 #
 # * ``use_pinned_memory``: stage into page-locked host memory, so that copies
-#   from the GPU run at full speed and can be asynchronous. Needs CUDA. The
-#   stager keeps these buffers and reuses them at every save.
+#   from the GPU run at full speed and can be asynchronous. Needs CUDA.
 # * ``use_shared_memory``: allocate the host buffers in shared memory, so that
 #   a checkpoint *process* (``AsyncCheckpointerType.PROCESS``) reads them in
 #   place instead of receiving another copy. This page uploads from a thread
-#   and does not need it. In containers ``/dev/shm`` is often small (64 MB
-#   under Docker's defaults): turn it off there, or make ``/dev/shm`` as large
-#   as a rank's share of the checkpoint.
+#   and does not need it.
 # * ``use_async_staging``: copy in a background thread of the stager (a thread
 #   pool with one worker). ``async_save`` then returns an ``AsyncSaveResponse``
 #   before the copy is done. This is the option this page is about, and it
 #   needs nothing but a thread.
 # * ``use_non_blocking_copy``: issue the device-to-host copies with
-#   ``non_blocking=True`` on a stream of the stager's own and wait for that
-#   stream at the end. Needs an accelerator.
+#   ``non_blocking=True`` and wait for them at the end of the copy. Needs an
+#   accelerator.
 #
-# On a GPU machine this page keeps the defaults but shared memory. Without an
-# accelerator the defaults raise (below): keep ``use_async_staging`` and turn
-# the rest off.
+# With ``use_async_staging`` and ``use_non_blocking_copy`` both on, on an
+# accelerator, the stager copies on a stream of its own, which it creates on
+# the current device when it is constructed, and at the end it waits for that
+# stream only (``DefaultStager._stage`` in ``staging.py``). Nothing orders
+# those copies after the kernels still queued on your compute stream: without
+# a synchronisation right before ``async_save`` (rule 4) the copy can read
+# weights that ``optimizer.step()`` has not finished writing. That is the only
+# combination with this race: synchronous staging with non-blocking copies
+# ends with ``torch.accelerator.synchronize()``, blocking copies in the
+# background thread go on the device's default stream, behind the work queued
+# there (where training runs unless you chose another stream), and on CPU
+# there are no streams.
+#
+# Whatever the options, the stager keeps the host copy of each tensor between
+# saves and copies into it again at the next one, so only the first save
+# allocates, as long as ``state_dict()`` returns the same tensors every time:
+# a section below shows when that reuse happens and when it does not.
+#
+# Without an accelerator the defaults raise (below). The rule this site uses
+# on every page, with ``use_async_staging=True`` because this page stages in
+# the background:
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
 
 
 def staging_options():
-    if torch.accelerator.is_available():
-        # Pinned memory, async staging, non-blocking copies; no checkpoint process to share with.
-        return StagingOptions(use_shared_memory=False)
+    on_gpu = torch.accelerator.is_available()
     return StagingOptions(
-        use_pinned_memory=False,
-        use_shared_memory=False,
+        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
+        use_shared_memory=False,  # only a checkpoint *process* reads shared memory in place
         use_async_staging=True,
-        use_non_blocking_copy=False,
+        use_non_blocking_copy=on_gpu,
     )
 
 
 def show_staging_options():
     if dist.get_rank() != 0:
         return
-    with warnings.catch_warnings():
-        # Without CUDA the defaults first warn that pinning is ignored; the error is the point.
-        warnings.filterwarnings("ignore", message="Ignoring pin_memory flag")
-        try:
-            DefaultStager().close()
-            print("DefaultStager() with the default options: works on this machine")
-        except AssertionError as err:
-            print(f"DefaultStager() with the default options: {type(err).__name__}: {err}")
+    # sphinx_gallery_start_ignore
+    # Without CUDA the defaults first warn that pinning is ignored; the error is the point.
+    warnings.filterwarnings("ignore", message="Ignoring pin_memory flag")
+    # sphinx_gallery_end_ignore
+    try:
+        DefaultStager().close()
+        print("DefaultStager() with the default options: works on this machine")
+    except AssertionError as err:
+        print(f"DefaultStager() with the default options: AssertionError: {err}")
     print(f"this page stages with {staging_options()}")
 
 
-# A rank, not this process, tries the defaults: on a GPU machine they create a
-# CUDA stream, and the process that starts the ranks must not touch CUDA.
+# A rank, not this process, tries the defaults: on a GPU machine a stager
+# creates a CUDA stream, and the process that starts the ranks must not touch CUDA.
 run_on_ranks(show_staging_options)
 
 
@@ -196,7 +220,11 @@ run_on_ranks(show_staging_options)
 # The same small model as in the ``async_save`` recipe: a few wide linear
 # layers, sharded with FSDP2 and trained with Adam, so the checkpoint holds
 # three tensors per parameter. ``AppState`` is the usual ``Stateful`` wrapper;
-# DCP calls its ``state_dict()`` at every save.
+# DCP calls its ``state_dict()`` at every save, inside ``async_save`` and after
+# the loop's synchronisation (rule 4). The first call launches device work:
+# ``get_state_dict`` creates Adam's state with a zero-lr ``optimizer.step()``
+# when the optimizer has none yet, as at this page's save before training. So
+# on an accelerator ``state_dict()`` waits for its own work before it returns.
 
 WIDTH, DEPTH, BATCH = 1024, 3, 16
 
@@ -221,6 +249,9 @@ class AppState(Stateful):
 
     def state_dict(self):
         model_state_dict, optimizer_state_dict = get_state_dict(self.model, self.optimizer)
+        if torch.accelerator.is_available():
+            # The stager's stream does not wait for kernels launched here (rule 4).
+            torch.accelerator.current_stream().synchronize()
         return {"model": model_state_dict, "optim": optimizer_state_dict}
 
     def load_state_dict(self, state_dict):
@@ -253,73 +284,10 @@ print(f"{parameters / 1e6:.1f} M parameters; checkpoint with Adam: {12 * paramet
 
 
 # %%
-# Measuring the loop
-# ------------------
-# To draw the loop's timeline, each rank records what ran when. The training
-# thread times its own blocks. The background work reports itself: a callback
-# on ``staging_completion`` runs in the staging thread the moment the copy is
-# done, and one on ``upload_completion`` runs when the checkpoint is written.
-# The staging callback also notes which thread did the copy, so that we can
-# check at the end that closing the stager stopped it. None of this is needed
-# in your loop.
-
-
-class Timeline:
-    """What ran when on this rank, in seconds since the timeline was created."""
-
-    def __init__(self):
-        self.origin = time.perf_counter()
-        self.blocks = []  # (what, step, start, end) on the training thread
-        self.saves = []  # one dict per save: when it was called, returned, staged, uploaded
-        self.staging_threads = set()
-
-    def now(self):
-        return time.perf_counter() - self.origin
-
-    @contextlib.contextmanager
-    def measure(self, what, step):
-        start = self.now()
-        yield
-        if torch.accelerator.is_available():
-            # Time the GPU's work, not only its launch; only this stream, so
-            # that the stager's copies on its own stream keep running.
-            torch.accelerator.current_stream().synchronize()
-        self.blocks.append((what, step, start, self.now()))
-
-    @contextlib.contextmanager
-    def measure_save(self, step):
-        save = {"step": step, "called": self.now()}
-        with self.measure("async_save", step):
-            yield save
-        save["returned"] = self.blocks[-1][3]
-        self.saves.append(save)
-
-    def follow(self, save, response):
-        """Record when the save's background work completes."""
-        training_thread = threading.current_thread()
-        save["response"] = type(response).__name__
-
-        def staged(_):
-            save["staged"] = self.now()
-            if threading.current_thread() is not training_thread:
-                self.staging_threads.add(threading.current_thread())
-
-        if isinstance(response, AsyncSaveResponse):
-            response.staging_completion.add_done_callback(staged)
-            upload = response.upload_completion
-        else:  # plain async_save: staged before it returned
-            save["staged"] = save["returned"]
-            upload = response
-        upload.add_done_callback(lambda _: save.update(uploaded=self.now()))
-
-    def report(self):
-        return {"blocks": self.blocks, "saves": self.saves}
-
-
-# %%
 # The training loop
 # -----------------
-# One stager for the whole run, created before the loop and passed to every
+# One stager for the whole run, created inside the function that runs on each
+# rank (after the launcher's ``torch.cuda.set_device``) and passed to every
 # ``async_save``: it keeps its host buffers between saves, so only the first
 # save pays for allocating them (this loop saves at step 0 and waits for it,
 # which also checks the storage before any training). Saves happen every
@@ -334,18 +302,24 @@ class Timeline:
 #   ``optimizer.step()``. Forward and backward read the weights but do not
 #   change them, so they run while the copy runs.
 # * ``upload_completion`` resolves when the checkpoint is written, with
-#   ``.metadata``. Wait on it before the next save and before the end.
+#   ``.metadata``, and raises if staging or writing failed. Wait on it before
+#   the next save and before the end.
 #
 # .. versionadded:: 2.9
 #    ``AsyncSaveResponse``, returned by ``async_save`` when the stager stages
 #    asynchronously.
 #
-# The numbered comments are the rules from the top of the page. The
-# ``timeline`` lines measure; take them out and the loop is the one to paste.
-# The loop also keeps a copy of this rank's state at each save during training
-# (``snapshots``), to compare the checkpoints with later.
+# The numbered comments are the rules from the top of the page. This is the
+# loop to paste; the page times each of its lines with code it does not show.
 
 NUM_STEPS, SAVE_EVERY = 10, 3  # saves after steps 0, 3, 6 and 9
+SAVED_DURING_TRAINING = list(range(SAVE_EVERY, NUM_STEPS + 1, SAVE_EVERY))
+
+# sphinx_gallery_start_ignore
+# The page's measuring code. Each rank records what ran when; the background
+# work reports itself through callbacks on the two futures. Results, and a
+# copy of this rank's state at every save (for the bit-for-bit check), go to
+# files under the run's directory, where the cells below read them.
 
 
 def local_copy(state_dict, prefix=""):
@@ -361,70 +335,239 @@ def local_copy(state_dict, prefix=""):
     return copies
 
 
+def page_file(checkpoint_root, what, rank):
+    os.makedirs(os.path.join(checkpoint_root, "page"), exist_ok=True)
+    return os.path.join(checkpoint_root, "page", f"{what}-rank{rank}.pt")
+
+
+def host_buffers(stager):
+    """The host copies a DefaultStager caches, keyed (weakly) on the source storages."""
+    return list(stager._state_dict_stager._cached_storage_mapping.values())
+
+
+class Timeline:
+    """What ran when on this rank, in seconds since the timeline was created.
+
+    Each block of the training thread is also a ``torch.profiler.record_function``
+    range, and with ``trace=`` the rank runs under ``torch.profiler`` and writes a
+    Chrome trace (Perfetto, chrome://tracing) at the end.
+    """
+
+    def __init__(self, checkpoint_root, stager=None, trace=None):
+        self.root, self.stager, self.trace = checkpoint_root, stager, trace
+        self.origin = time.perf_counter()
+        self.open = None  # the block running now: (what, step, start, profiler range)
+        self.blocks = []  # (what, step, start, end) on the training thread
+        self.saves = []  # one dict per save: when it was called, returned, staged, uploaded
+        self.staging_threads = set()
+        self.profiler = None
+        if trace:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            # Every thread: the stager's copies and the upload run on threads of their own.
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            self.profiler = torch.profiler.profile(
+                activities=activities, experimental_config=every_thread
+            )
+            self.profiler.start()
+            if stager is not None:
+                stager._stage = in_a_profiler_range("DefaultStager: copy to host", stager._stage)
+
+    def now(self):
+        return time.perf_counter() - self.origin
+
+    def begin(self, what, step):
+        """A block of the training thread begins now (and the one before it ends)."""
+        self.end()
+        profiler_range = torch.profiler.record_function(what, f"step {step}")
+        profiler_range.__enter__()
+        self.open = (what, step, self.now(), profiler_range)
+
+    def end(self):
+        if self.open is None:
+            return
+        if torch.accelerator.is_available():
+            # Time the GPU's work, not only its launch; only this stream, so
+            # that the stager's copies on its own stream keep running.
+            torch.accelerator.current_stream().synchronize()
+        what, step, start, profiler_range = self.open
+        profiler_range.__exit__(None, None, None)
+        self.blocks.append((what, step, start, self.now()))
+        self.open = None
+
+    def snapshot(self, app_state, step):
+        with torch.profiler.record_function("page: copy of the state for the check"):
+            state = local_copy(app_state.state_dict())
+        torch.save(state, page_file(self.root, f"step-{step}", rank()))
+
+    def begin_save(self, step):
+        self.begin("async_save", step)
+        self.saves.append({"step": step, "called": self.open[2]})
+
+    def end_save(self, response):
+        self.end()
+        save = self.saves[-1]
+        save["returned"] = self.blocks[-1][3]
+        save["response"] = type(response).__name__
+        training_thread = threading.current_thread()
+
+        def staged(_):
+            save["staged"] = self.now()
+            if threading.current_thread() is not training_thread:
+                self.staging_threads.add(threading.current_thread())
+            buffers = host_buffers(self.stager)
+            save["buffers"] = sorted(buffer.data_ptr() for buffer in buffers)
+            save["buffer_bytes"] = sum(buffer.nbytes() for buffer in buffers)
+
+        if isinstance(response, AsyncSaveResponse):
+            response.staging_completion.add_done_callback(staged)
+            upload = response.upload_completion
+        else:  # plain async_save: staged before it returned
+            save["staged"] = save["returned"]
+            upload = response
+        upload.add_done_callback(lambda _: save.update(uploaded=self.now()))
+
+    def before_close(self):
+        self.threads = sorted(self.staging_threads, key=lambda thread: thread.name)
+        self.running_before = [thread.is_alive() for thread in self.threads]
+
+    def after_close(self, name, app_state=None):
+        if self.stager is not None:
+            running_after = [thread.is_alive() for thread in self.threads]
+            names = ", ".join(thread.name for thread in self.threads)
+            print(
+                f"staging ran on {names}; running before stager.close(): "
+                f"{self.running_before}, after: {running_after}"
+            )
+            reused = [save["buffers"] == self.saves[0]["buffers"] for save in self.saves]
+            print(
+                f"host buffers of the {len(self.saves)} saves: {len(self.saves[0]['buffers'])} "
+                f"({self.saves[0]['buffer_bytes'] / 1e6:.1f} MB), the same ones at every save: "
+                f"{all(reused)}"
+            )
+        if app_state is not None:
+            torch.save(local_copy(app_state.state_dict()), page_file(self.root, "final", rank()))
+        report = {"blocks": self.blocks, "saves": self.saves}
+        if self.profiler is not None:
+            self.profiler.stop()
+            if rank() == 0:
+                report["trace"] = trace_path(self.root, self.trace)
+                self.profiler.export_chrome_trace(report["trace"])
+        torch.save(report, page_file(self.root, name, rank()))
+
+
+def trace_path(checkpoint_root, name):
+    """Where a profiler trace goes: the build's download folder if it names one."""
+    folder = os.environ.get("DCP_RECIPES_DOWNLOAD_DIR") or os.path.join(checkpoint_root, "page")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{name}.json")
+
+
+def rank():
+    return dist.get_rank()
+
+
+def in_a_profiler_range(name, function):
+    def traced(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return function(*args, **kwargs)
+
+    return traced
+
+
+def measured_runs(checkpoint_root, name):
+    paths = sorted(glob.glob(os.path.join(checkpoint_root, "page", f"{name}-rank*.pt")))
+    paths.sort(key=lambda path: int(path.rsplit("rank", 1)[1][:-3]))
+    return [torch.load(path, weights_only=False) for path in paths]
+
+
+# sphinx_gallery_end_ignore
+
+
 def train_with_default_stager(checkpoint_root):
     model, optimizer = build_sharded_model(seed=0)
     app_state = AppState(model, optimizer)
     checkpoint_group = dist.new_group(backend="gloo")  # rule 1
-    stager = DefaultStager(staging_options())
+    stager = DefaultStager(staging_options())  # rule 2: after set_device, on this rank's GPU
     device = device_for_this_rank()
-    timeline, snapshots = Timeline(), {}
     response = None
+    # sphinx_gallery_start_ignore
+    timeline = Timeline(checkpoint_root, stager, trace="default_stager_trace_rank0")
+    # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
         if step > 0:
             batch = torch.rand(BATCH, WIDTH, device=device)
             optimizer.zero_grad()
-            with timeline.measure("forward", step):
-                loss = model(batch).pow(2).mean()  # overlaps the copy of the last save
-            with timeline.measure("backward", step):
-                loss.backward()  # so does this
-            with timeline.measure("wait for staging", step):
-                response.staging_completion.result()  # rule 6
-            with timeline.measure("optimizer.step", step):
-                optimizer.step()
+            # sphinx_gallery_start_ignore
+            timeline.begin("forward", step)
+            # sphinx_gallery_end_ignore
+            loss = model(batch).pow(2).mean()  # overlaps the copy of the last save
+            # sphinx_gallery_start_ignore
+            timeline.begin("backward", step)
+            # sphinx_gallery_end_ignore
+            loss.backward()  # so does this
+            # sphinx_gallery_start_ignore
+            timeline.begin("wait for staging", step)
+            # sphinx_gallery_end_ignore
+            response.staging_completion.result()  # rule 7
+            # sphinx_gallery_start_ignore
+            timeline.begin("optimizer.step", step)
+            # sphinx_gallery_end_ignore
+            optimizer.step()
+            # sphinx_gallery_start_ignore
+            timeline.end()
+            # sphinx_gallery_end_ignore
 
         if step % SAVE_EVERY == 0:
+            # sphinx_gallery_start_ignore
+            timeline.begin("wait for upload", step)
+            # sphinx_gallery_end_ignore
             if response is not None:
-                with timeline.measure("wait for upload", step):
-                    response.upload_completion.result()  # rule 2
-            if torch.accelerator.is_available():
-                torch.accelerator.current_stream().synchronize()  # rule 3
+                response.upload_completion.result()  # rule 3
+            # sphinx_gallery_start_ignore
+            timeline.end()
             if step > 0:
-                snapshots[step] = local_copy(app_state.state_dict())  # for the check below
-            with timeline.measure_save(step) as save:
-                response = dcp.async_save(
-                    {"app": app_state},
-                    checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
-                    process_group=checkpoint_group,
-                    async_stager=stager,
-                )
-            timeline.follow(save, response)
+                timeline.snapshot(app_state, step)  # the state at this save, for the check
+            timeline.begin_save(step)
+            # sphinx_gallery_end_ignore
+            if torch.accelerator.is_available():
+                torch.accelerator.current_stream().synchronize()  # rule 4
+            response = dcp.async_save(
+                {"app": app_state},
+                checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
+                process_group=checkpoint_group,
+                async_stager=stager,
+            )
+            # sphinx_gallery_start_ignore
+            timeline.end_save(response)
+            # sphinx_gallery_end_ignore
             if step == 0:
                 response.upload_completion.result()  # allocate the buffers, check the storage
 
-    response.upload_completion.result()  # rule 7
-    staging_threads = sorted(timeline.staging_threads, key=lambda thread: thread.name)
-    running_before = [thread.is_alive() for thread in staging_threads]
-    stager.close()  # rule 7: stops the staging thread, frees the host buffers
-    running_after = [thread.is_alive() for thread in staging_threads]
-    dist.destroy_process_group(checkpoint_group)  # rule 8
-
-    names = ", ".join(thread.name for thread in staging_threads)
-    print(
-        f"staging ran on {names}; running before stager.close(): {running_before}, "
-        f"after: {running_after}"
-    )
-    return {
-        **timeline.report(),
-        "snapshots": snapshots,
-        "final": local_copy(app_state.state_dict()),
-    }
+    response.upload_completion.result()  # rule 8
+    # sphinx_gallery_start_ignore
+    timeline.before_close()
+    # sphinx_gallery_end_ignore
+    stager.close()  # rule 8: stops the staging thread, frees the host buffers
+    dist.destroy_process_group(checkpoint_group)  # rule 9
+    # sphinx_gallery_start_ignore
+    timeline.after_close("default-stager", app_state)
+    # sphinx_gallery_end_ignore
 
 
-default_stager_runs = run_on_ranks(train_with_default_stager, os.path.join(WORK_DIR, "overlapped"))
+run_on_ranks(train_with_default_stager, os.path.join(WORK_DIR, "overlapped"))
+# sphinx_gallery_start_ignore
+default_stager_runs = measured_runs(os.path.join(WORK_DIR, "overlapped"), "default-stager")
+# sphinx_gallery_end_ignore
 
 
 # %%
+# The stager ran its copies on a thread of its own, which ``stager.close()``
+# stopped, and it copied every save into the host buffers it allocated at the
+# first one.
+#
 # For comparison, the same loop with plain ``async_save``: its built-in
 # stager copies on the training thread, inside the call, and it returns a plain
 # ``Future`` for the upload. There is nothing to wait for before the step.
@@ -435,55 +578,64 @@ def train_with_plain_async_save(checkpoint_root):
     app_state = AppState(model, optimizer)
     checkpoint_group = dist.new_group(backend="gloo")
     device = device_for_this_rank()
-    timeline = Timeline()
     upload = None
+    # sphinx_gallery_start_ignore
+    timeline = Timeline(checkpoint_root, trace="plain_async_save_trace_rank0")
+    # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
         if step > 0:
             batch = torch.rand(BATCH, WIDTH, device=device)
             optimizer.zero_grad()
-            with timeline.measure("forward", step):
-                loss = model(batch).pow(2).mean()
-            with timeline.measure("backward", step):
-                loss.backward()
-            with timeline.measure("optimizer.step", step):
-                optimizer.step()
+            # sphinx_gallery_start_ignore
+            timeline.begin("forward", step)
+            # sphinx_gallery_end_ignore
+            loss = model(batch).pow(2).mean()
+            # sphinx_gallery_start_ignore
+            timeline.begin("backward", step)
+            # sphinx_gallery_end_ignore
+            loss.backward()
+            # sphinx_gallery_start_ignore
+            timeline.begin("optimizer.step", step)
+            # sphinx_gallery_end_ignore
+            optimizer.step()
+            # sphinx_gallery_start_ignore
+            timeline.end()
+            # sphinx_gallery_end_ignore
 
         if step % SAVE_EVERY == 0:
+            # sphinx_gallery_start_ignore
+            timeline.begin("wait for upload", step)
+            # sphinx_gallery_end_ignore
             if upload is not None:
-                with timeline.measure("wait for upload", step):
-                    upload.result()
-            with timeline.measure_save(step) as save:
-                upload = dcp.async_save(
-                    {"app": app_state},
-                    checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
-                    process_group=checkpoint_group,
-                )
-            timeline.follow(save, upload)
+                upload.result()
+            # sphinx_gallery_start_ignore
+            timeline.begin_save(step)
+            # sphinx_gallery_end_ignore
+            upload = dcp.async_save(
+                {"app": app_state},
+                checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
+                process_group=checkpoint_group,
+            )
+            # sphinx_gallery_start_ignore
+            timeline.end_save(upload)
+            # sphinx_gallery_end_ignore
             if step == 0:
                 upload.result()
 
     upload.result()
     dist.destroy_process_group(checkpoint_group)
-    return timeline.report()
+    # sphinx_gallery_start_ignore
+    timeline.after_close("plain")
+    # sphinx_gallery_end_ignore
 
 
-plain_runs = run_on_ranks(train_with_plain_async_save, os.path.join(WORK_DIR, "plain"))
+run_on_ranks(train_with_plain_async_save, os.path.join(WORK_DIR, "plain"))
+# sphinx_gallery_start_ignore
+# The timeline: rank 0's view of both runs.
+plain_runs = measured_runs(os.path.join(WORK_DIR, "plain"), "plain")
 returned = [run[0]["saves"][0]["response"] for run in (plain_runs, default_stager_runs)]
 print(f"async_save returned a {returned[0]} here, and an {returned[1]} with DefaultStager")
-
-
-# %%
-# The timeline
-# ------------
-# Rank 0's timeline of both runs, from the first step to the last upload. The
-# top row of each run is the training thread, the rows below it the background
-# work of each save. With ``DefaultStager`` the ``async_save`` call is short
-# and the copy runs beside the next step's forward and backward pass; with
-# plain ``async_save`` the copy is inside the call. Both upload in the
-# background for several steps. The short gap before each ``DefaultStager``
-# save is the copy of the state this page keeps for its check, not part of
-# the loop you would paste.
 
 COLORS = {
     "forward": "tab:blue",
@@ -543,14 +695,6 @@ figure.legend(
 figure.tight_layout(rect=(0, 0.1, 1, 1))
 
 
-# %%
-# The numbers behind the figure, for each save after the first: times in ms
-# since the ``async_save`` call, on rank 0. The copy (``staging``) starts
-# inside the call. If it is still running when the call returns, the next
-# step's forward and backward pass run beside it; either way that step's
-# ``optimizer.step()`` starts only after it is done.
-
-
 def block(run, what, step):
     return next((start, end) for name, s, start, end in run["blocks"] if (name, s) == (what, step))
 
@@ -583,18 +727,6 @@ def describe_saves(run):
             print(f"  the copy was done before step {following}'s forward pass began")
 
 
-describe_saves(default_stager_runs[0])
-
-
-# %%
-# What the loop waits for at each save
-# ------------------------------------
-# The time a save blocks the training thread: the ``async_save`` call, plus
-# the wait for the previous upload before it, plus (with ``DefaultStager``)
-# the wait for staging before the next ``optimizer.step()``. The slowest rank
-# counts, since collectives make the others wait for it.
-
-
 def blocked_ms(run, save_step):
     waits = [("async_save", save_step), ("wait for upload", save_step)]
     waits.append(("wait for staging", save_step + 1))
@@ -610,28 +742,89 @@ def slowest_rank(runs, save_step):
     return max(blocked_ms(run, save_step) for run in runs)
 
 
+def loop_seconds(run):
+    steps = [(start, end) for _, step, start, end in run["blocks"] if step >= 1]
+    return max(end for _, end in steps) - min(start for start, _ in steps)
+
+
+def describe_trace(path):
+    """What rank 0's profiler trace holds: the loop's ranges by thread, and GPU streams."""
+    with open(path) as trace_file:
+        events = json.load(trace_file)["traceEvents"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    training = next(e["tid"] for e in ranges if e["name"] == "forward")
+    phases = ["forward", "backward", "wait for staging", "optimizer.step"]
+    phases += ["wait for upload", "async_save"]
+    on_training = collections.Counter(e["name"] for e in ranges if e["tid"] == training)
+    copies = [e for e in ranges if e["name"] == "DefaultStager: copy to host"]
+    where = (
+        "a thread of its own" if copies and copies[0]["tid"] != training else "the training thread"
+    )
+    counts = ", ".join(f"{name} x{on_training[name]}" for name in phases if on_training[name])
+    print(f"{os.path.basename(path)}: {os.path.getsize(path) / 1e6:.1f} MB, {len(events)} events")
+    print(f"  on the training thread: {counts}")
+    if copies:
+        print(f"  DefaultStager: copy to host x{len(copies)}, on {where}")
+    streams = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy"):
+            streams[e["cat"]][e.get("args", {}).get("stream")] += 1
+    if streams:  # on a GPU: which streams ran the kernels and the device-to-host copies
+        print(f"  GPU kernels by stream: {dict(streams['kernel'])}")
+        print(f"  GPU copies by stream: {dict(streams['gpu_memcpy'])}")
+
+
+print("\nProfiler traces of rank 0 (Chrome trace JSON: https://ui.perfetto.dev, chrome://tracing):")
+for run in (default_stager_runs[0], plain_runs[0]):
+    describe_trace(run["trace"])
+
+print("\nEach save after the first, rank 0, ms since the async_save call:")
+describe_saves(default_stager_runs[0])
 measured = [save["step"] for save in default_stager_runs[0]["saves"][1:]]
-print(f"{'blocked per save (ms, slowest rank)':<38} {'async_save':>10} {'DefaultStager':>14}")
+print(f"\n{'blocked per save (ms, slowest rank)':<38} {'async_save':>10} {'DefaultStager':>14}")
 for step in measured:
     plain, overlapped = slowest_rank(plain_runs, step), slowest_rank(default_stager_runs, step)
     print(f"{'save after step ' + str(step):<38} {plain:10.1f} {overlapped:14.1f}")
 plain = statistics.median(slowest_rank(plain_runs, step) for step in measured)
 overlapped = statistics.median(slowest_rank(default_stager_runs, step) for step in measured)
 print(f"{'median':<38} {plain:10.1f} {overlapped:14.1f}")
-
-
-def loop_seconds(run):
-    steps = [(start, end) for _, step, start, end in run["blocks"] if step >= 1]
-    return max(end for _, end in steps) - min(start for start, _ in steps)
-
-
 print(
     f"steps 1 to {NUM_STEPS}, rank 0: {loop_seconds(plain_runs[0]):.2f} s with async_save, "
     f"{loop_seconds(default_stager_runs[0]):.2f} s with DefaultStager"
 )
+# sphinx_gallery_end_ignore
 
 
 # %%
+# Reading the timeline
+# --------------------
+# The figure is rank 0's timeline of both runs, from the first step to the
+# last upload. The top row of each run is the training thread, the rows below
+# it the background work of each save. With ``DefaultStager`` the
+# ``async_save`` call is short and the copy runs beside the next step's
+# forward and backward pass; with plain ``async_save`` the copy is inside the
+# call. Both upload in the background for several steps. The short gap before
+# each ``DefaultStager`` save is the page's own copy of the state for the
+# check below, not part of the loop.
+#
+# The build also ran both loops under ``torch.profiler``, each phase of the
+# loop in a ``torch.profiler.record_function`` range of that name, and the
+# stager's copy in one of its own; the lines under the figure say what rank
+# 0's two traces hold. A profile of your own job shows the same picture: the
+# copy on a thread of the stager's, and on a GPU the device-to-host copies on
+# the stager's stream beside the compute kernels on yours.
+#
+# The lines after them give the numbers for each save after the first: times in
+# ms since the ``async_save`` call, on rank 0. The copy (``staging``) starts
+# inside the call. If it is still running when the call returns, the next
+# step's forward and backward pass run beside it; either way that step's
+# ``optimizer.step()`` starts only after it is done.
+#
+# The table is the time a save blocks the training thread: the ``async_save``
+# call, plus the wait for the previous upload before it, plus (with
+# ``DefaultStager``) the wait for staging before the next ``optimizer.step()``.
+# The slowest rank counts, since collectives make the others wait for it.
+#
 # Read the two numbers together. Taking the copy off the training thread
 # shortens what the loop blocks on, but the copy still has to run somewhere.
 # On a GPU machine it runs on the GPU's copy engine into pinned memory while
@@ -648,33 +841,33 @@ print(
 # In the loop above, ``optimizer.step()`` ran right after ``staging_completion``
 # resolved, while the upload was still writing the checkpoint from the staged
 # copy. Load each checkpoint saved during training into a freshly built model
-# (different weights, so nothing matches by luck) and compare it, tensor by
-# tensor and bit for bit, with the copy the loop kept at the save, and with the
-# live state at the end of training.
+# (different weights, so nothing matches by luck), as a run that resumes would.
+# The page compares each one, tensor by tensor and bit for bit, with the copy
+# of the state it kept at the save, and with the live state at the end of
+# training.
 
 
-def differing(expected, actual):
-    assert expected.keys() == actual.keys(), "the checkpoint holds other tensors"
-    return [name for name in expected if not torch.equal(expected[name], actual[name])]
-
-
-def verify_checkpoints(checkpoint_root, runs):
-    run = runs[dist.get_rank()]
-    for step, expected in run["snapshots"].items():
+def load_each_checkpoint(checkpoint_root):
+    for step in SAVED_DURING_TRAINING:
         model, optimizer = build_sharded_model(seed=1)
         app_state = AppState(model, optimizer)
         dcp.load({"app": app_state}, checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"))
+        # sphinx_gallery_start_ignore
+        expected = torch.load(page_file(checkpoint_root, f"step-{step}", rank()))
+        final = torch.load(page_file(checkpoint_root, "final", rank()))
         loaded = local_copy(app_state.state_dict())
-        changed = differing(expected, loaded)
-        moved_on = differing(run["final"], loaded)
+        assert expected.keys() == loaded.keys(), "the checkpoint holds other tensors"
+        changed = [name for name in expected if not torch.equal(expected[name], loaded[name])]
+        moved_on = [name for name in final if not torch.equal(final[name], loaded[name])]
         print(
             f"checkpoint at step {step}: {len(expected)} tensors compared with the state at the "
             f"save: {len(changed)} differ (from the live state at the end: {len(moved_on)} differ)"
         )
         assert not changed, f"step {step}: the checkpoint is not the state at the save: {changed}"
+        # sphinx_gallery_end_ignore
 
 
-run_on_ranks(verify_checkpoints, os.path.join(WORK_DIR, "overlapped"), default_stager_runs)
+run_on_ranks(load_each_checkpoint, os.path.join(WORK_DIR, "overlapped"))
 
 
 # %%
@@ -690,9 +883,9 @@ run_on_ranks(verify_checkpoints, os.path.join(WORK_DIR, "overlapped"), default_s
 # updates tensors the stager has not copied yet: the checkpoint is a mix of the
 # state before and after the step. Nothing fails; only a comparison like the
 # one above shows it, or a resumed run that does not continue where it stopped.
-# The same happens with a forward pass that updates buffers (rule 5), and a
+# The same happens with a forward pass that updates buffers (rule 6), and a
 # save started while the previous upload is still writing from the stager's
-# buffers overwrites them (rule 2). Whether a given save is hit is a race
+# buffers overwrites them (rule 3). Whether a given save is hit is a race
 # between two threads, decided by timing and by the order in which the stager
 # copies tensors: a broken loop can pass a check like the one above many times
 # before it writes a torn checkpoint, so passing it proves nothing about a
@@ -700,6 +893,186 @@ run_on_ranks(verify_checkpoints, os.path.join(WORK_DIR, "overlapped"), default_s
 # :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py` makes each race land the
 # same way every time, without faking the copy, shows what the broken loops
 # write, and counts how often the race hits when left alone.
+
+
+# %%
+# Plain values and containers (rule 5)
+# ------------------------------------
+# Inside the call, ``async_save`` calls every ``Stateful``'s ``state_dict()``
+# and builds a new top-level dict from what you passed
+# (``_stateful_to_state_dict`` in ``state_dict_saver.py``); the stager copies
+# everything below that later, in its thread. So an ``int`` step counter,
+# passed in the top-level dict or returned by ``state_dict()``, is fixed at the
+# call: changing it afterwards rebinds a name and cannot reach the
+# checkpoint. A dict passed or returned by reference is another matter: the
+# stager copies whatever it holds when it gets to it. Below, the loop changes
+# both right after ``async_save`` returns, then passes ``dict(progress)``
+# instead of ``progress``.
+#
+# When the stager gets to the dict is a race with your loop. This build holds
+# the copy back until both changes are made (with lines the page does not
+# show), so that it lands the same way on every build.
+
+
+def save_then_change(checkpoint_dir, pass_a_copy):
+    stager = DefaultStager(staging_options())
+    step, progress = 3, {"samples_seen": 300}
+    # sphinx_gallery_start_ignore
+    copy_may_start = threading.Event()
+    stager._staging_executor.submit(copy_may_start.wait)  # its one worker copies after this
+    # sphinx_gallery_end_ignore
+    response = dcp.async_save(
+        {"step": step, "progress": dict(progress) if pass_a_copy else progress},
+        checkpoint_id=checkpoint_dir,
+        async_stager=stager,
+    )
+    step += 1  # rebinds the name: async_save already holds the int 3
+    progress["samples_seen"] += 100  # changes the dict, which the stager may not have copied yet
+    # sphinx_gallery_start_ignore
+    copy_may_start.set()
+    # sphinx_gallery_end_ignore
+    response.upload_completion.result()
+    stager.close()
+    saved = {"step": 0, "progress": {"samples_seen": 0}}
+    dcp.load(saved, checkpoint_id=checkpoint_dir)
+    if dist.get_rank() == 0:
+        passed = "dict(progress)" if pass_a_copy else "progress"
+        print(f"passed {passed}: the loop now has step={step}, progress={progress}")
+        print(f"  the checkpoint holds step={saved['step']}, progress={saved['progress']}")
+
+
+def show_values_and_containers(checkpoint_root):
+    save_then_change(os.path.join(checkpoint_root, "by-reference"), pass_a_copy=False)
+    save_then_change(os.path.join(checkpoint_root, "a-copy"), pass_a_copy=True)
+
+
+run_on_ranks(show_values_and_containers, os.path.join(WORK_DIR, "values"))
+
+
+# %%
+# The step counter is saved as it was at the call, the dict passed by
+# reference as it was after the change, and the copy as it was at the call.
+# Tensors are the third kind: the stager copies them in its thread too, which
+# is what rules 6 and 7 are about.
+#
+# When the stager reuses its buffers
+# ----------------------------------
+# The stager's host copies are not tied to ``use_pinned_memory``: this page's
+# CPU build has pinned and shared memory off, and the loop above still copied
+# every save into the buffers of the first. The cache is keyed on the source
+# tensor's storage, and holds it weakly (``StateDictStager`` in
+# ``_state_dict_stager.py``): a ``state_dict()`` that returns the live tensors,
+# as ``get_state_dict`` does by default, finds its buffers again at every
+# save. One that returns new tensors each time, clones or a CPU offload
+# (``StateDictOptions(cpu_offload=True)``), reuses nothing: every save
+# allocates and fills a new host copy, and the entry goes when the clone is
+# freed. Two saves of the same model each way:
+
+
+def save_twice(checkpoint_root, fresh_tensors):
+    model = nn.Linear(WIDTH, WIDTH, device=device_for_this_rank())
+    stager = DefaultStager(staging_options())
+    # sphinx_gallery_start_ignore
+    buffers = []
+    # sphinx_gallery_end_ignore
+    for save in range(2):
+        state = model.state_dict()
+        if fresh_tensors:
+            state = {name: tensor.clone() for name, tensor in state.items()}
+        response = dcp.async_save(
+            {"model": state},
+            checkpoint_id=os.path.join(checkpoint_root, f"save-{save}"),
+            async_stager=stager,
+        )
+        response.upload_completion.result()
+        # sphinx_gallery_start_ignore
+        buffers.append(stager._staging_future.result()["model"])  # what this save copied into
+        # sphinx_gallery_end_ignore
+    # sphinx_gallery_start_ignore
+    # Both saves' host copies are alive here: the same addresses mean the same buffers.
+    first, second = ([t.data_ptr() for t in staged.values()] for staged in buffers)
+    same = first == second
+    del state  # the loop's own reference to what it saved
+    cached = len(host_buffers(stager))
+    # sphinx_gallery_end_ignore
+    stager.close()
+    # sphinx_gallery_start_ignore
+    if dist.get_rank() == 0:
+        what = "clones of model.state_dict()" if fresh_tensors else "model.state_dict()"
+        print(
+            f"{what:<29} the second save copied into the first's host buffers: {same}; "
+            f"still cached once the loop drops its state dict: {cached}"
+        )
+    # sphinx_gallery_end_ignore
+
+
+def show_buffer_reuse(checkpoint_root):
+    save_twice(os.path.join(checkpoint_root, "live"), fresh_tensors=False)
+    save_twice(os.path.join(checkpoint_root, "clones"), fresh_tensors=True)
+
+
+run_on_ranks(show_buffer_reuse, os.path.join(WORK_DIR, "reuse"))
+
+
+# %%
+# So keep the stager and return the live tensors from ``state_dict()``; if it
+# must build new ones, the stager's cache cannot help, and each save costs an
+# allocation of the whole host copy (with pinned memory, pinning it too). If
+# those new tensors are made on the GPU, synchronize at the end of
+# ``state_dict()`` (rule 4).
+#
+# Where a staging error shows up (rule 8)
+# ---------------------------------------
+# A value the stager cannot copy fails the copy in the stager's thread: here a
+# generator (say, a data iterator put into the state by mistake), which cannot
+# be pickled. ``async_save`` wraps the stager's future into
+# ``staging_completion``, and it looks only once: if staging has already
+# failed when it looks, it reports success (``state_dict_saver.py``:
+# ``if not staging_future.done(): staging_future.add_done_callback(callback)``
+# ``else: return_staging_future.set_result(None)``). A copy that fails at once
+# has usually failed by then; this build makes sure of it (with lines it does
+# not show). The
+# upload starts from the stager's future itself, so ``upload_completion``
+# raises the error every time.
+
+
+def save_something_the_stager_cannot_copy(checkpoint_dir):
+    stager = DefaultStager(staging_options())
+    # sphinx_gallery_start_ignore
+    stage = stager.stage
+
+    def stage_and_let_it_finish(state_dict):
+        future = stage(state_dict)
+        wait([future])  # the copy has failed before async_save looks at the future
+        return future
+
+    stager.stage = stage_and_let_it_finish
+    # sphinx_gallery_end_ignore
+    state = {"model": nn.Linear(8, 8).state_dict(), "batches": (n for n in range(3))}
+    response = dcp.async_save(state, checkpoint_id=checkpoint_dir, async_stager=stager)
+    try:
+        response.staging_completion.result()
+        print("staging_completion.result() returned: staging looks fine")
+    except TypeError as err:
+        print(f"staging_completion.result() raised TypeError: {err}")
+    try:
+        response.upload_completion.result()
+        print("upload_completion.result() returned")
+    except TypeError as err:
+        print(f"upload_completion.result() raised TypeError: {err}")
+    stager.close()
+
+
+run_on_ranks(save_something_the_stager_cannot_copy, os.path.join(WORK_DIR, "unstageable"))
+
+
+# %%
+# Wait on ``upload_completion.result()`` after every save, not only on
+# ``staging_completion``: it is the one that always raises. Here every rank
+# failed the same way before the upload started, so nothing waits. A rank
+# that fails alone never joins the save's first collective (its upload stops
+# at the stager's future, ``save_wrapper`` in ``_async_thread_executor.py``),
+# so the other ranks' uploads would wait there until the group's timeout.
 
 
 # %%
@@ -713,8 +1086,8 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: each rule above broken
-#   on purpose, what it writes into the checkpoint, and the fix.
+# * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: rules 3, 5, 6 and 7
+#   broken on purpose, what each break writes into the checkpoint, and the fix.
 # * :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`: what each way of
 #   checkpointing costs, measured at a larger size.
 # * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.
