@@ -458,8 +458,14 @@ class Timeline:
 
 
 def trace_path(checkpoint_root, name):
-    """Where a profiler trace goes: the build's download folder if it names one."""
-    folder = os.environ.get("DCP_RECIPES_DOWNLOAD_DIR") or os.path.join(checkpoint_root, "page")
+    """Where rank 0's profiler trace goes.
+
+    The DefaultStager loop's trace is for the reader to keep: it is written beside
+    this script (the page links it at the top). The other stays with the checkpoints.
+    """
+    if name == "default_stager_recipe.trace":
+        return os.path.abspath(f"{name}.json")
+    folder = os.path.join(checkpoint_root, "page")
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, f"{name}.json")
 
@@ -493,7 +499,7 @@ def train_with_default_stager(checkpoint_root):
     device = device_for_this_rank()
     response = None
     # sphinx_gallery_start_ignore
-    timeline = Timeline(checkpoint_root, stager, trace="default_stager_trace_rank0")
+    timeline = Timeline(checkpoint_root, stager, trace="default_stager_recipe.trace")
     # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
@@ -580,7 +586,7 @@ def train_with_plain_async_save(checkpoint_root):
     device = device_for_this_rank()
     upload = None
     # sphinx_gallery_start_ignore
-    timeline = Timeline(checkpoint_root, trace="plain_async_save_trace_rank0")
+    timeline = Timeline(checkpoint_root, trace="plain_async_save.trace")
     # sphinx_gallery_end_ignore
 
     for step in range(NUM_STEPS + 1):
@@ -810,7 +816,10 @@ print(
 # The build also ran both loops under ``torch.profiler``, each phase of the
 # loop in a ``torch.profiler.record_function`` range of that name, and the
 # stager's copy in one of its own; the lines under the figure say what rank
-# 0's two traces hold. A profile of your own job shows the same picture: the
+# 0's two traces hold. The DefaultStager loop's trace is the "Download the
+# profiler trace" link at the top of this page (run as a script, the recipe
+# writes it beside itself): open it in https://ui.perfetto.dev or
+# ``chrome://tracing``. A profile of your own job shows the same picture: the
 # copy on a thread of the stager's, and on a GPU the device-to-host copies on
 # the stager's stream beside the compute kernels on yours.
 #

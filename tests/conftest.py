@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
-from recipe_runner import RecipeRunner
+from recipe_runner import HTML, ROOT, RecipeRunner
 
 
 @pytest.fixture
 def recipe_runner(tmp_path: Path) -> RecipeRunner:
     """Runs recipes with a private TMPDIR; ``recipe_runner.leftovers()`` lists what stayed."""
     return RecipeRunner(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def site() -> Path:
+    """The executed build; `make test` builds it before pytest runs."""
+    if not (HTML / "index.html").exists():
+        subprocess.run(["make", "html"], cwd=ROOT, check=True)
+    return HTML

@@ -19,7 +19,6 @@ import yaml
 from bs4 import BeautifulSoup
 from nbclient import NotebookClient
 from recipe_runner import (
-    HTML,
     RECIPE_NAMES,
     RECIPES,
     ROOT,
@@ -46,14 +45,6 @@ TROUBLESHOOTING_SECTIONS = [
     "A stager that is never closed",
     "The checkpoint directory differs between ranks",
 ]
-
-
-@pytest.fixture(scope="session")
-def site() -> Path:
-    """The executed build; `make test` builds it before pytest runs."""
-    if not (HTML / "index.html").exists():
-        subprocess.run(["make", "html"], cwd=ROOT, check=True)
-    return HTML
 
 
 def soup(path: Path) -> BeautifulSoup:
