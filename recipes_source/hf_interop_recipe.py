@@ -29,8 +29,9 @@ model.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.8 or later (``HuggingFaceStorageWriter`` with
-         consolidation), ``transformers`` and ``safetensors``
+       * PyTorch 2.9 or later (the Hugging Face reader and writer first
+         shipped in 2.8; consolidation as used here is what ``transformers``
+         itself requires 2.9 for), ``transformers`` 5 and ``safetensors``
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`
 
@@ -829,8 +830,9 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_save_load_recipe.py`: the DCP checkpoint itself,
-#   model and optimizer, to resume training on any number of ranks.
+# * :ref:`sphx_glr_recipes_save_load_recipe.py`: the checkpoint you resume
+#   from is not this export (which holds no optimizer state and, in
+#   bfloat16, rounded weights) but a DCP checkpoint of model and optimizer.
 # * :ref:`sphx_glr_recipes_async_save_recipe.py`: keep training while a
 #   checkpoint is written; the same writers work with ``dcp.async_save``.
 # * :ref:`sphx_glr_recipes_default_stager_recipe.py`: overlap even the copy
