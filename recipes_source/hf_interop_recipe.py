@@ -714,6 +714,9 @@ def load_into_compiled_model(folder):
     # sphinx_gallery_end_ignore
 
 
+# sphinx_gallery_start_ignore
+torch.compile(nn.Linear(1, 1))  # the modules torch.compile imports: once here, not on every rank
+# sphinx_gallery_end_ignore
 run_on_ranks(load_into_compiled_model, EXPORT_DIR)
 
 # %%
@@ -736,6 +739,7 @@ class WithValueHead(nn.Module):
 def load_into_wrapper(folder):
     torch.manual_seed(2)
     value_head_model = WithValueHead(AutoModelForCausalLM.from_config(CONFIG))
+    value_head_model.to(device_for_this_rank())
     shard(value_head_model.model)
     fully_shard(value_head_model)
     state_dict = get_model_state_dict(value_head_model)
