@@ -38,6 +38,7 @@ LAUNCHER = "rank_launcher.py"
 # The order a reader should take: basics, async, full overlap, its pitfalls, the numbers.
 RECIPE_ORDER = (
     "save_load_recipe.py",
+    "hf_interop_recipe.py",
     "async_save_recipe.py",
     "default_stager_recipe.py",
     "staging_pitfalls_recipe.py",
