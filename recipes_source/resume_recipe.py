@@ -758,7 +758,7 @@ print(f"checkpoints go under {WORK_DIR}")
 
 def new_root(name):
     path = os.path.join(WORK_DIR, name)
-    os.makedirs(path)
+    os.makedirs(path, exist_ok=True)  # under torchrun every rank runs this
     return path
 
 
@@ -927,7 +927,7 @@ else:
     env[CRASH_ENV] = "upload:40:1"
     # sphinx_gallery_end_ignore
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", "--max-restarts=1", script]
+    command += [f"--nproc-per-node={len(uninterrupted)}", "--max-restarts=1", script]
     finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     torchrun_output = finished.stdout + finished.stderr
     interesting = re.compile(r"attempt|killed|resuming|removed|done at|newest|Restarting|exitcode")
@@ -939,7 +939,8 @@ else:
 # sphinx_gallery_start_ignore
 if torchrun_output:
     torchrun_results = [
-        torch.load(f"{torchrun_root}.result-rank{r}.pt", weights_only=False) for r in range(2)
+        torch.load(f"{torchrun_root}.result-rank{r}.pt", weights_only=False)
+        for r in range(len(uninterrupted))
     ]
     compare_with_uninterrupted(torchrun_results, "torchrun --max-restarts=1")
     assert torchrun_results[0]["resumed_from"] == 30, torchrun_output[-3000:]
