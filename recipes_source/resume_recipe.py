@@ -793,8 +793,8 @@ CRASH = None
 
 # %%
 # What the crash left behind: step 40 is torn (rank 1's file cut short, no
-# ``.metadata``), step 30 is complete, and clean-up had already removed step
-# 20 (keep 2) after step 30 completed, never before.
+# ``.metadata``); steps 20 and 30 are complete. Clean-up removed step 10
+# (keep 2) only once step 30 was complete.
 
 
 def show_checkpoints(checkpoint_root):
@@ -866,6 +866,9 @@ upload_resumed_from = compare_with_uninterrupted(resumed_after_upload, "crash in
 # dies while the stager copies the state of step 40 to host memory: no file of
 # step 40 exists yet. Between saves, rank 1 dies at step 45, after step 40 was
 # complete: the restart goes on from step 40, and steps 41 to 45 run again.
+# If the launcher stops rank 0 while it deletes an old checkpoint, that one
+# shows up torn as well: clean-up removes ``.metadata`` first, so a deletion
+# cut short never leaves a directory that looks complete.
 
 # sphinx_gallery_start_ignore
 CRASH = ("staging", 40, 1) if not under_torchrun() else None
@@ -951,12 +954,13 @@ if torchrun_output:
 # %%
 # Plain ``init_process_group`` against the prefixed store
 # -------------------------------------------------------
-# How often does a restart fail? This build ran a minimal job several times
-# under ``torchrun --max-restarts=1``: two ranks create the group, rank 1 is
-# killed after the first barrier, and the restarted workers meet again. Once
-# with a plain ``dist.init_process_group("gloo")``, once with the prefixed
-# store of ``init_process_group_for_this_attempt()``. The counts are what this
-# build measured (they vary from build to build: it is a race).
+# How often does a restart fail? This build ran a minimal job under
+# ``torchrun --max-restarts=3``, twice at the same time: two ranks create the
+# group, rank 1 is killed after the first barrier of every attempt but the
+# last, and every restart has to form the group again. One job creates it with
+# a plain ``dist.init_process_group("gloo")``, the other on the prefixed store
+# of ``init_process_group_for_this_attempt()``. The counts are what this build
+# measured; they vary from build to build (it is a race).
 
 # sphinx_gallery_start_ignore
 RESTART_PROBE_RESTARTS = int(os.environ.get("RESUME_RECIPE_PROBE_RESTARTS", "3"))
@@ -1089,10 +1093,11 @@ for before, after in zip(chain, chain[1:], strict=False):
 # %%
 # What happens to the per-rank data position: the checkpoint of step 30 holds
 # one loader position per rank that saved it, ``rank0`` and ``rank1``. On 3
-# ranks, rank 2 has none, and the others' positions count batches of another
-# cut of the order. Restoring them anyway (rank 2 from the start) would train
-# on some samples twice and never on others; the global sample index does not
-# depend on the ranks. Here is what each way trains on in steps 31 to 40:
+# ranks, rank 2 has none and would start from the beginning. Ranks 0 and 1
+# would fast-forward 30 batches of their new, smaller share of the order,
+# which lands where it should only because this page keeps the global batch
+# fixed (with a fixed per-rank batch it would not). The global sample index
+# does not depend on the ranks. What each way trains on in steps 31 to 40:
 
 
 def samples_trained(world_size, start, steps, rank_starts):
