@@ -153,11 +153,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 print(f"torch {torch.__version__}")
 # sphinx_gallery_start_ignore
-import signal  # page-only: the crashes and the checks
+import logging  # page-only: the crashes and the checks
+import signal
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
+
+# A launch whose rank was killed stops the others; torch logs each as a warning.
+logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 # sphinx_gallery_end_ignore
 
@@ -936,7 +940,7 @@ else:
     interesting = re.compile(r"attempt|killed|resuming|removed|done at|newest|Restarting|exitcode")
     for line in torchrun_output.splitlines():
         if interesting.search(line):
-            print(line.split("] ", 1)[-1] if "torch/distributed" in line else line)
+            print(line.split("] ", 1)[-1].split(" (pid")[0] if "torch/" in line else line)
     print(f"torchrun exited with {finished.returncode}")
 
 # sphinx_gallery_start_ignore
@@ -961,6 +965,10 @@ if torchrun_output:
 # a plain ``dist.init_process_group("gloo")``, the other on the prefixed store
 # of ``init_process_group_for_this_attempt()``. The counts are what this build
 # measured; they vary from build to build (it is a race).
+
+# The two ways to create the group, side by side:
+#   dist.init_process_group("gloo")        # env://: the agent's store, keys of every attempt
+#   init_process_group_for_this_attempt()  # the same store, under "attempt-N/"
 
 # sphinx_gallery_start_ignore
 RESTART_PROBE_RESTARTS = int(os.environ.get("RESUME_RECIPE_PROBE_RESTARTS", "3"))
@@ -1006,6 +1014,8 @@ restart_probe()
 # resumed curve lies on the uninterrupted one, step for step (checked above:
 # the same float, not a close one).
 
+# The figure is drawn from rank 0's loss log of each run.
+
 # sphinx_gallery_start_ignore
 import matplotlib.pyplot as plt  # here, not at the top: torchrun's workers need no plotting
 
@@ -1020,9 +1030,12 @@ axis.plot(
     label="uninterrupted",
 )
 attempts = crashed_losses(upload_root)
-styles = [("o-", "tab:red", "crashed run, attempt 0"), ("s-", "tab:blue", "after the restart")]
-for attempt, (marker, color, label) in zip(attempts, styles, strict=False):
-    axis.plot(*zip(*attempt, strict=True), marker, ms=3, color=color, mfc="none", label=label)
+styles = [
+    ("o-", "tab:red", 2, "crashed run, attempt 0"),
+    ("s-", "tab:blue", 4, "after the restart"),
+]
+for attempt, (marker, color, size, label) in reversed(list(zip(attempts, styles, strict=False))):
+    axis.plot(*zip(*attempt, strict=True), marker, ms=size, lw=1, color=color, label=label)
 axis.axvline(40, color="tab:red", ls="--")
 axis.annotate(
     "rank 1 killed in\nthe upload of step 40",
