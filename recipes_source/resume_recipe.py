@@ -132,6 +132,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,7 +155,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 print(f"torch {torch.__version__}")
 # sphinx_gallery_start_ignore
 import logging  # page-only: the crashes and the checks
-import signal
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -751,6 +751,34 @@ if __name__ == "__main__" and under_torchrun() and os.environ.get(CHECKPOINTS_EN
 WORK_DIR = shared_tempdir("dcp-resume-")
 print(f"checkpoints go under {WORK_DIR}")
 
+# sphinx_gallery_start_ignore
+# Page-only: the restart measurement shown further below runs in the background
+# from here on: it mostly waits for gloo's connect timeouts.
+RESTART_PROBE_RESTARTS = int(os.environ.get("RESUME_RECIPE_PROBE_RESTARTS", "3"))
+
+
+def start_restart_probe(restarts=RESTART_PROBE_RESTARTS):
+    """One torchrun per way to create the group; rank 1 is killed in all attempts but the last."""
+    this_file = sys.argv[0]
+    if restarts < 1 or under_torchrun() or not this_file.endswith(".py"):
+        return {}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node=2", f"--max-restarts={restarts}", this_file]
+    jobs = {}
+    for mode in ("plain", "prefixed"):
+        env = dict(os.environ, **{PROBE_ENV: mode}, OMP_NUM_THREADS="1")
+        log = os.path.join(WORK_DIR, f"restart-probe-{mode}.log")
+        with open(log, "w") as out:
+            job = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        jobs[mode] = (job, log)
+    return jobs
+
+
+restart_probe_jobs = start_restart_probe()
+# sphinx_gallery_end_ignore
+
 
 # %%
 # An uninterrupted run
@@ -935,13 +963,21 @@ else:
     # sphinx_gallery_end_ignore
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={len(uninterrupted)}", "--max-restarts=1", script]
-    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    torchrun_output = finished.stdout + finished.stderr
+    log_path = os.path.join(WORK_DIR, "torchrun.log")
+    with open(log_path, "w") as log:  # a new session: on a timeout, stop torchrun's workers too
+        job = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
+    try:
+        job.wait(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    with open(log_path) as log:
+        torchrun_output = log.read()
     interesting = re.compile(r"attempt|killed|resuming|removed|done at|newest|Restarting|exitcode")
     for line in torchrun_output.splitlines():
         if interesting.search(line):
             print(line.split("] ", 1)[-1].split(" (pid")[0] if "torch/" in line else line)
-    print(f"torchrun exited with {finished.returncode}")
+    print(f"torchrun exited with {job.returncode}")
 
 # sphinx_gallery_start_ignore
 if torchrun_output:
@@ -951,15 +987,15 @@ if torchrun_output:
     ]
     compare_with_uninterrupted(torchrun_results, "torchrun --max-restarts=1")
     assert torchrun_results[0]["resumed_from"] == 30, torchrun_output[-3000:]
-    assert finished.returncode == 0, torchrun_output[-3000:]
+    assert job.returncode == 0, torchrun_output[-3000:]
 # sphinx_gallery_end_ignore
 
 
 # %%
 # Plain ``init_process_group`` against the prefixed store
 # -------------------------------------------------------
-# How often does a restart fail? This build ran a minimal job under
-# ``torchrun --max-restarts=3``, twice at the same time: two ranks create the
+# How often does a restart fail? While the cells above ran, this build ran a
+# minimal job under ``torchrun --max-restarts=3``, twice: two ranks create the
 # group, rank 1 is killed after the first barrier of every attempt but the
 # last, and every restart has to form the group again. One job creates it with
 # a plain ``dist.init_process_group("gloo")``, the other on the prefixed store
@@ -970,39 +1006,35 @@ if torchrun_output:
 #   dist.init_process_group("gloo")        # env://: the agent's store, keys of every attempt
 #   init_process_group_for_this_attempt()  # the same store, under "attempt-N/"
 
+
 # sphinx_gallery_start_ignore
-RESTART_PROBE_RESTARTS = int(os.environ.get("RESUME_RECIPE_PROBE_RESTARTS", "3"))
-
-
-def restart_probe(restarts=RESTART_PROBE_RESTARTS):
-    """One torchrun per way to create the group; rank 1 is killed in all attempts but the last."""
-    if restarts < 1 or under_torchrun() or not script.endswith(".py") or "ipykernel" in script:
+def restart_probe_results(jobs):
+    """Wait for the measurement started at the top of the page and print its counts."""
+    if not jobs:
         print("skipped: the measurement runs torchrun on this file")
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", f"--max-restarts={restarts}", script]
-    jobs = {}
-    for mode in ("plain", "prefixed"):
-        env = dict(os.environ, **{PROBE_ENV: mode}, OMP_NUM_THREADS="1")
-        jobs[mode] = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
     labels = {
         "plain": 'dist.init_process_group("gloo")',
         "prefixed": "PrefixStore(attempt-N, store)",
     }
-    for mode, job in jobs.items():
-        output, _ = job.communicate(timeout=240)
+    for mode, (job, log) in jobs.items():
+        try:
+            job.wait(timeout=240)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+        with open(log) as out:
+            output = out.read()
         formed = re.findall(r"probe attempt (\d+): the group formed", output)
         restarted = sum(int(attempt) >= 1 for attempt in formed)
         refused = output.count("Gloo connectFullMesh failed")
         print(
-            f"{labels[mode]:<32} restarted workers formed the group in {restarted} of {restarts} "
-            f"restarts; connectFullMesh failed: {refused} times"
+            f"{labels[mode]:<32} restarted workers formed the group in {restarted} of "
+            f"{RESTART_PROBE_RESTARTS} restarts; connectFullMesh failed: {refused} times"
         )
 
 
-restart_probe()
+restart_probe_results(restart_probe_jobs)
 # sphinx_gallery_end_ignore
 
 
