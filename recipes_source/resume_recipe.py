@@ -638,7 +638,7 @@ def train(checkpoint_root, num_steps=NUM_STEPS, keep=KEEP):
         # sphinx_gallery_start_ignore
         crash_between_saves(step, response)
         # sphinx_gallery_end_ignore
-        inputs, targets, indices = next(data)
+        inputs, targets, indices = next(data)  # indices: which samples (counted below)
         loss = F.mse_loss(model(inputs.to(device)), targets.to(device))
         optimizer.zero_grad()
         loss.backward()
@@ -672,10 +672,9 @@ def train(checkpoint_root, num_steps=NUM_STEPS, keep=KEEP):
                 removed = clean_up(checkpoint_root, keep, in_flight=path)
                 kept = [s for s, done in saved_steps(checkpoint_root).items() if done and s != step]
                 print(
-                    f"step {step}: loss {losses[step]:.4f}; saving step {step}, kept {kept}, ",
-                    end="",
+                    f"step {step}: loss {losses[step]:.4f}; saving step {step}, kept {kept}, "
+                    f"removed {removed}"
                 )
-                print(f"removed {removed}")
 
     if response is not None:
         response.upload_completion.result()
