@@ -966,7 +966,7 @@ else:
     with open(log_path, "w") as log:  # a new session: on a timeout, stop torchrun's workers too
         job = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
     try:
-        job.wait(timeout=240)
+        job.wait(timeout=150)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -1018,7 +1018,7 @@ def restart_probe_results(jobs):
     }
     for mode, (job, log) in jobs.items():
         try:
-            job.wait(timeout=240)
+            job.wait(timeout=150)
         finally:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
