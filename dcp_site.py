@@ -35,12 +35,14 @@ STAMP_SUBDIR = ".run-stamps"
 STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # read by recipes_source/rank_launcher.py
 LAUNCHER = "rank_launcher.py"
 
-# The order a reader should take: basics, async, full overlap, its pitfalls, the numbers.
+# The order a reader should take: basics and export, async, full overlap, resuming, the
+# pitfalls of overlap, the numbers.
 RECIPE_ORDER = (
     "save_load_recipe.py",
     "hf_interop_recipe.py",
     "async_save_recipe.py",
     "default_stager_recipe.py",
+    "resume_recipe.py",
     "staging_pitfalls_recipe.py",
     "checkpoint_stall_benchmark.py",
 )

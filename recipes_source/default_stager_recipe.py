@@ -1097,6 +1097,8 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # -----------------
 # * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: rules 3, 5, 6 and 7
 #   broken on purpose, what each break writes into the checkpoint, and the fix.
+# * :ref:`sphx_glr_recipes_resume_recipe.py`: this loop, checkpointing
+#   everything a resume needs, killed in the middle of a save and resumed.
 # * :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`: what each way of
 #   checkpointing costs, measured at a larger size.
 # * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.

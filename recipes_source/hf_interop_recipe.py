@@ -834,9 +834,10 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_save_load_recipe.py`: the checkpoint you resume
-#   from is not this export (which holds no optimizer state and, in
-#   bfloat16, rounded weights) but a DCP checkpoint of model and optimizer.
+# * :ref:`sphx_glr_recipes_resume_recipe.py`: the checkpoint you resume from
+#   is not this export (which holds no optimizer state and, in bfloat16,
+#   rounded weights) but a full DCP checkpoint of model, optimizer, data
+#   position and RNG.
 # * :ref:`sphx_glr_recipes_async_save_recipe.py`: keep training while a
 #   checkpoint is written; the same writers work with ``dcp.async_save``.
 # * :ref:`sphx_glr_recipes_default_stager_recipe.py`: overlap even the copy
