@@ -37,6 +37,7 @@ import os
 import pickle
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -268,6 +269,9 @@ def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float)
         failure = _wait_for_ranks(context, timeout)
         outputs = [_read(Path(workdir, f"rank{r}.log")) for r in range(ranks)]
         if failure is not None:
+            killed = _killed_from_outside(context, workdir)
+            if killed is not None and "timed out" not in failure[1]:
+                failure = killed
             raise RankFailedError(_describe_failure(recipe, failure, outputs, workdir))
         for rank, text in enumerate(outputs):
             sys.stdout.write(_label(rank, text))
@@ -305,6 +309,20 @@ def _wait_for_ranks(context: Any, timeout: float) -> tuple[int, str] | None:
             )
 
 
+def _killed_from_outside(context: Any, workdir: str) -> tuple[int, str] | None:
+    """(rank, cause) of a rank that a signal killed (SIGKILL, the OOM killer), if one did.
+
+    Its peers then fail in their next collective and raise first, but they are not the
+    cause. SIGTERM is what the launch sends the others once one rank failed: not a cause.
+    """
+    for rank, process in enumerate(context.processes):
+        code = process.exitcode
+        raised = Path(workdir, f"rank{rank}.failed").exists()
+        if code is not None and code < 0 and -code != signal.SIGTERM and not raised:
+            return rank, f"killed by {signal.Signals(-code).name}"
+    return None
+
+
 def _describe_failure(
     recipe: str, failure: tuple[int, str], outputs: list[str], workdir: str
 ) -> str:
@@ -315,7 +333,7 @@ def _describe_failure(
         for r in range(len(outputs))
         if Path(workdir, f"rank{r}.failed").exists()
     )
-    if raised:
+    if raised and not cause.startswith("killed by"):
         rank = raised[0][1]
         cause = f"rank {rank} raised"
     parts = [f"recipe {recipe!r}: rank {rank} failed: {cause}"]
@@ -358,15 +376,16 @@ def _rank_entry(
     try:
         if _use_gpus():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
-        )
+        # Collectives time out after the launch deadline, never before it: a hang is then
+        # reported by the launcher, with every rank still running and its output.
+        beyond_the_deadline = datetime.timedelta(seconds=timeout + 60)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=beyond_the_deadline)
         dist.init_process_group(
             _backend(),
             store=store,
             rank=rank,
             world_size=ranks,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=beyond_the_deadline,
         )
         value = fn(*args)
         # Everyone reaches here before teardown: tearing gloo down while a
@@ -398,7 +417,26 @@ def _ensure_torchrun_group() -> None:
         return
     if _use_gpus():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group(_backend(), timeout=datetime.timedelta(seconds=_timeout_s(None)))
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=_timeout_s(None))
+    # torchrun --max-restarts keeps its store across the attempts it restarts: workers of a
+    # new attempt would find the previous attempt's addresses there (gloo then fails with
+    # "connectFullMesh ... Connection refused"). Keys of this attempt only, under a prefix.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        ranks,
+        is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        _backend(),
+        store=dist.PrefixStore(f"attempt-{attempt}", store),
+        rank=rank,
+        world_size=ranks,
+        timeout=timeout,
+    )
     atexit.register(_destroy_torchrun_group)
 
 

@@ -74,3 +74,13 @@ def test_spawned_helper_processes_do_not_run_the_recipe_again(recipe_runner):
     assert "[rank1] rank 1: spawned child exited with 0" in text, text
     assert recipe_runner.leftovers() == []
     assert recipe_runner.processes_left() == []
+
+
+def test_a_rank_killed_by_a_signal_is_named_as_the_cause(recipe_runner):
+    """Rank 0 raises in its barrier when rank 1 dies, but the cause is rank 1's SIGKILL."""
+    result = recipe_runner.script(SCRIPTS / "killed_rank.py", timeout=120)
+    assert result.returncode != 0
+    assert "recipe 'killed_rank': rank 1 failed: killed by SIGKILL" in result.stderr
+    assert "----- output and traceback of rank 1 -----\nrank 1 started" in result.stderr
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
