@@ -86,7 +86,8 @@ def check_limits(results: dict, repeats: int, ranks: int) -> dict:
     assert len(limits["bytes_per_rank"]) == ranks and all(b > 0 for b in limits["bytes_per_rank"])
     assert sum(limits["bytes_per_rank"]) == results["config"]["total_bytes"]
     for rank in limits["seconds_per_rank"]:
-        assert set(rank) == set(KINDS)
+        assert set(rank) == {*KINDS, "torch_save"}
+        assert len(rank["torch_save"]["1"]) == repeats
         for kind in KINDS:
             assert set(rank[kind]) == set(THREADS)
             assert all(len(v) == repeats and min(v) > 0 for v in rank[kind].values())
@@ -139,17 +140,26 @@ def check_knobs(results: dict, output: str, limits: dict, repeats: int, ranks: i
     return medians
 
 
-def check_replicated(results: dict, ranks: int, checkpoint_bytes: int) -> None:
-    default = results["replicated"]["dedup_save_to_lowest_rank=False"]["bytes_written_per_rank"]
-    lowest = results["replicated"]["dedup_save_to_lowest_rank=True"]["bytes_written_per_rank"]
-    assert len(default) == len(lowest) == ranks
+def check_replicated(results: dict, ranks: int) -> None:
+    replicated = results["replicated"]
+    planners = replicated["planners"]
+    default = planners["dedup_save_to_lowest_rank=False"]["bytes_written_per_rank"]
+    lowest = planners["dedup_save_to_lowest_rank=True"]["bytes_written_per_rank"]
+    held = replicated["bytes_held_per_rank"]
+    assert len(default) == len(lowest) == len(held) == ranks
+    assert len(set(held)) == 1, "every rank holds the whole model"
     # Each replicated tensor is written once: the total is one model either way.
     assert sum(default) == pytest.approx(sum(lowest), rel=0.01)
-    assert sum(lowest) >= checkpoint_bytes
-    assert sum(lowest) < 1.05 * checkpoint_bytes, "a replica was written twice"
+    assert held[0] <= sum(lowest) < 1.05 * held[0], "a replica was written twice"
     assert lowest[0] == sum(lowest) and all(b == 0 for b in lowest[1:])
     if ranks > 1:
         assert all(b > 0 for b in default), "the default spreads the bytes over the replicas"
+    repeats = results["config"]["repeats"]
+    for name, entry in planners.items():
+        rounds = list(zip(*(rank[name] for rank in replicated["seconds_per_rank"]), strict=True))
+        assert len(rounds) == repeats + 1
+        speeds = [gbps(held[0], [one["save_s"] for one in r]) for r in rounds[1:]]
+        assert entry["save_GBps"]["values"] == pytest.approx(speeds)
 
 
 def check_memory(results: dict, ranks: int) -> dict:
@@ -220,7 +230,7 @@ def run_and_check(recipe_runner, tmp_path: Path, launch, ranks: int) -> dict:
     check_verified_counts(output, results, ranks)
     limits = check_limits(results, repeats, ranks)
     medians = check_knobs(results, output, limits, repeats, ranks)
-    check_replicated(results, ranks, results["config"]["total_bytes"])
+    check_replicated(results, ranks)
     growth = check_memory(results, ranks)
     check_summary(results, output, limits, medians, growth)
     assert results_path.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
