@@ -77,6 +77,7 @@ print(f"torch {torch.__version__}; checkpoint {SIZE_MB:g} MB, {REPEATS} repeats;
 import contextlib
 import ctypes
 import gc
+import io
 import json
 import platform
 import statistics
@@ -322,6 +323,21 @@ def measure_limits(directory, repeats):
             for tensor in tensors:
                 torch.save(tensor, sink)
         seconds["torch_save"][1].append(time.perf_counter() - started)
+    # What FileSystemReader does to every tensor after reading its bytes: torch.load into a
+    # new tensor, then a copy into the model's tensor; here from memory, no disk involved.
+    blobs = []
+    for tensor in tensors:
+        blob = io.BytesIO()
+        torch.save(tensor, blob)
+        blobs.append(blob.getvalue())
+    seconds["torch_load"] = {1: []}
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        for tensor, blob in zip(tensors, blobs, strict=True):
+            tensor.copy_(torch.load(io.BytesIO(blob), weights_only=True))
+        seconds["torch_load"][1].append(time.perf_counter() - started)
+    del blobs
     # sphinx_gallery_end_ignore
     return {"bytes": sum(t.nbytes for t in tensors), "seconds": seconds}
 
@@ -350,15 +366,15 @@ print(f"{'':<22}" + "".join(f"{f'{t} thread(s)':>22}" for t in THREADS) + f"{'li
 for kind, label in LABELS.items():
     cells = "".join(f"{cell(v):>22}" for v in LIMITS[kind].values())
     print(f"{label:<22}{cells}{LIMIT[kind]:>8.2f}")
-SERIALIZE = spread(
-    [
-        gbps(TOTAL_BYTES, s)
-        for s in zip(*(run["seconds"]["torch_save"][1] for run in limit_runs), strict=True)
-    ]
-)
+SERIALIZE = {}  # torch.save and torch.load of every tensor, in one thread, no disk
+for kind in ("torch_save", "torch_load"):
+    per_repeat = zip(*(run["seconds"][kind][1] for run in limit_runs), strict=True)
+    SERIALIZE[kind] = spread([gbps(TOTAL_BYTES, s) for s in per_repeat])
+print(f"{'torch.save, no disk':<22}{cell(SERIALIZE['torch_save']):>22}")
+print(f"{'torch.load + copy':<22}{cell(SERIALIZE['torch_load']):>22}")
 print(
-    f"{'torch.save, no disk':<22}{cell(SERIALIZE):>22}   (what FileSystemWriter does to every "
-    "tensor, in the writing thread: not a limit of the disk, a cost on top of it)"
+    "(what FileSystemWriter and FileSystemReader do to every tensor, in the thread that "
+    "writes or reads it: no limit of the disk, a cost on top of it)"
 )
 HOST_CACHES_DISK = LIMIT["read_storage"] >= 0.8 * LIMIT["read_cache"]
 if HOST_CACHES_DISK:
@@ -376,7 +392,7 @@ RESULTS["limits"] = {
     "seconds_per_rank": [run["seconds"] for run in limit_runs],
     "GBps": LIMITS,
     "limit_GBps": LIMIT,
-    "torch_save_GBps": SERIALIZE,
+    "serialization_GBps": SERIALIZE,
     "host_caches_disk": HOST_CACHES_DISK,
 }
 # sphinx_gallery_end_ignore
@@ -942,11 +958,12 @@ def advice():
         f"({LIMIT['write_fsync']:.2f} GB/s)."
     )
     one_thread = LIMITS["write_fsync"][1]["median"]
-    serial = 1 / (1 / SERIALIZE["median"] + 1 / one_thread)
+    serialize = SERIALIZE["torch_save"]["median"]
     sentences.append(
-        f"What holds a writer thread back: torch.save alone ran at {SERIALIZE['median']:.2f} GB/s "
-        f"here; one thread that serializes, then writes at {one_thread:.2f} GB/s, reaches at "
-        f"most {serial:.2f} GB/s. More threads help only where cores are free."
+        f"What holds a writer thread back: torch.save alone ran at {serialize:.2f} GB/s here; "
+        f"one thread that serializes, then writes at {one_thread:.2f} GB/s, reaches at most "
+        f"{1 / (1 / serialize + 1 / one_thread):.2f} GB/s. More threads help only where cores "
+        "are free."
     )
     for name in SAVE_OPTIONS:
         if name == "defaults (thread_count=1)":
@@ -969,11 +986,15 @@ def advice():
             )
     best_load = max(SAVE_OPTIONS, key=lambda n: KNOBS[n]["cold_load_GBps"]["median"])
     load_gbps = KNOBS[best_load]["cold_load_GBps"]["median"]
+    one_reader = LIMITS["read_storage"][1]["median"]
+    deserialize = SERIALIZE["torch_load"]["median"]
     sentences.append(
         f"Fastest cold load: the checkpoint written with {best_load}, {load_gbps:.2f} GB/s = "
-        f"{load_gbps / LIMIT['read_storage']:.2f} of the read-from-storage limit; "
-        "FileSystemReader reads with one thread per rank, whatever the writer used "
-        f"(one reader thread read {LIMITS['read_storage'][1]['median']:.2f} GB/s here)."
+        f"{load_gbps / LIMIT['read_storage']:.2f} of the read-from-storage limit. "
+        "FileSystemReader reads with one thread per rank, whatever the writer used, and "
+        f"torch.load + copy ran at {deserialize:.2f} GB/s here: one thread that reads from "
+        f"storage at {one_reader:.2f} GB/s, then deserializes, reaches at most "
+        f"{1 / (1 / one_reader + 1 / deserialize):.2f} GB/s."
     )
     if RANKS > 1:
         default, lowest = REPLICATED.values()

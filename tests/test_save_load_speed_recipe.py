@@ -86,12 +86,16 @@ def check_limits(results: dict, repeats: int, ranks: int) -> dict:
     assert len(limits["bytes_per_rank"]) == ranks and all(b > 0 for b in limits["bytes_per_rank"])
     assert sum(limits["bytes_per_rank"]) == results["config"]["total_bytes"]
     for rank in limits["seconds_per_rank"]:
-        assert set(rank) == {*KINDS, "torch_save"}
-        assert len(rank["torch_save"]["1"]) == repeats
+        assert set(rank) == {*KINDS, "torch_save", "torch_load"}
+        assert len(rank["torch_save"]["1"]) == len(rank["torch_load"]["1"]) == repeats
         for kind in KINDS:
             assert set(rank[kind]) == set(THREADS)
             assert all(len(v) == repeats and min(v) > 0 for v in rank[kind].values())
     again = recomputed_limits(limits)
+    for kind in ("torch_save", "torch_load"):  # one thread, no disk: a cost, not a limit
+        per_rank = [rank[kind]["1"] for rank in limits["seconds_per_rank"]]
+        speeds = [gbps(again["total"], s) for s in zip(*per_rank, strict=True)]
+        assert limits["serialization_GBps"][kind]["values"] == pytest.approx(speeds)
     for kind in KINDS:
         assert limits["limit_GBps"][kind] == pytest.approx(again["limit"][kind])
         for threads in THREADS:
