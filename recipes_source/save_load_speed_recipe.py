@@ -68,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 BENCH = os.environ.get("DCP_RECIPES_BENCH") == "1"
 SIZE_MB = float(os.environ.get("DCP_RECIPES_SPEED_MB", "1024" if BENCH else "32"))
 REPEATS = int(os.environ.get("DCP_RECIPES_SPEED_REPEATS", "2"))
-SECTION_MB = min(SIZE_MB, 256.0)  # replicated state and 20 saves: 20 checkpoints stay on disk
+SECTION_MB = min(SIZE_MB, 128.0)  # replicated state and 20 saves: 20 checkpoints stay on disk
 WORK_DIR = shared_tempdir("dcp-speed-")
 print(f"torch {torch.__version__}; checkpoint {SIZE_MB:g} MB, {REPEATS} repeats; in {WORK_DIR}")
 
