@@ -25,7 +25,7 @@ help:
 	@echo "make test         lint, build the site, run the tests (what CI runs)"
 	@echo "make lint         lintrunner --all-files"
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
-	@echo "make bench        the checkpoint-stall benchmark at full size"
+	@echo "make bench        the benchmark recipes at full size (about 1 GB), into $(BUILD)/bench"
 	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"
 	@echo "make clean        remove build output"
 	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
@@ -71,6 +71,7 @@ serve: $(READY)
 
 bench: $(READY)
 	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
+	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/save_load_speed_recipe.py
 
 # Every recipe as a plain script, one rank per GPU (DCP_RECIPES_WORLD_SIZE=N for fewer), into
 # $(BUILD)/gpu-check/. It needs torch, not Sphinx, and never builds the venv: it runs with PY

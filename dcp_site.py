@@ -45,6 +45,7 @@ RECIPE_ORDER = (
     "resume_recipe.py",
     "staging_pitfalls_recipe.py",
     "checkpoint_stall_benchmark.py",
+    "save_load_speed_recipe.py",
 )
 
 
