@@ -48,7 +48,8 @@ are in the downloadable ``.py``, but not on the page.
 # The page trains a small model so that it builds in seconds. ``make bench``
 # runs this same file under ``torchrun`` with ``DCP_RECIPES_BENCH=1``: a
 # checkpoint of about 1 GB (``DCP_RECIPES_BENCH_GB`` sets the size, and
-# ``DCP_RECIPES_BENCH_REPEATS`` the number of rounds), and it writes
+# ``DCP_RECIPES_BENCH_REPEATS`` the number of measured rounds, 2 by default),
+# and it writes
 # ``_build/bench/checkpoint_stall_benchmark.json`` and a ``.png`` figure next
 # to it. ``DCP_RECIPES_BENCH_JSON`` writes them from any run, and
 # ``DCP_RECIPES_BENCH_CHECKPOINTS`` keeps every checkpoint in that directory.
@@ -110,7 +111,7 @@ class Config:
 CONFIG = Config(
     checkpoint_gb=float(os.environ.get("DCP_RECIPES_BENCH_GB", "1.0" if BENCH else "0.06")),
     checkpoint_every=4 if BENCH else 2,
-    checkpoints=2,
+    checkpoints=2 if BENCH else 1,
     training_threads=training_threads(),
 )
 WORK_DIR = shared_tempdir("dcp-stall-benchmark-")
@@ -118,7 +119,7 @@ CHECKPOINT_ROOT = os.environ.get("DCP_RECIPES_BENCH_CHECKPOINTS") or os.path.joi
     WORK_DIR, "checkpoints"
 )
 # sphinx_gallery_start_ignore
-REPEATS = int(os.environ.get("DCP_RECIPES_BENCH_REPEATS", "3" if BENCH else "2"))
+REPEATS = int(os.environ.get("DCP_RECIPES_BENCH_REPEATS", "2"))
 if REPEATS < 2:
     raise ValueError(
         f"DCP_RECIPES_BENCH_REPEATS={REPEATS}: at least 2 rounds are needed to show a spread"
@@ -285,10 +286,12 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
 #   step began;
 # * *wall*: the whole loop, the last wait for durability included;
 # * *peak host memory*: a thread samples the rank's resident memory (and the
-#   private memory of the writer process) every 10 ms.
+#   private memory of the writer process) every 10 ms, above what it was when
+#   the run began; memory that earlier runs freed is handed back to the system
+#   first, so that a run cannot reuse it unseen.
 #
-# After the run every checkpoint is checked: its ``.metadata`` exists and
-# ``dcp.load`` reads every tensor back.
+# After the run every checkpoint is checked: its ``.metadata`` (which DCP
+# writes last) exists, and ``dcp.load`` reads the last one back.
 
 # sphinx_gallery_start_ignore
 RUN_LABEL = {"label": "run"}  # the parent sets it before each run: checkpoints go under it
@@ -350,11 +353,12 @@ def standard_error_to(path):
         os.close(saved)
 
 
-def checkpoint_is_complete(state_dict, path, group):
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        return False
-    dcp.load(state_dict, checkpoint_id=path, process_group=group)
-    return True
+def complete_checkpoints(paths, state_dict, group):
+    """How many of ``paths`` have their ``.metadata``; the last one must also load."""
+    complete = sum(os.path.exists(os.path.join(path, ".metadata")) for path in paths)
+    if paths:
+        dcp.load(state_dict, checkpoint_id=paths[-1], process_group=group)
+    return complete
 
 
 class RunTimer:
@@ -433,10 +437,7 @@ class RunTimer:
         while None in self.durable:  # the done-callback runs right after the future resolves
             time.sleep(0.0001)
         peak_memory_mb = self.memory.stop_mb()
-        complete = sum(
-            checkpoint_is_complete(checkpoint_state(model, optimizer), path, self.group)
-            for path in self.paths
-        )
+        complete = complete_checkpoints(self.paths, checkpoint_state(model, optimizer), self.group)
         dist.barrier(self.group)
         if dist.get_rank() == 0 and not KEEP_CHECKPOINTS:
             shutil.rmtree(self.directory, ignore_errors=True)
