@@ -201,7 +201,10 @@ print(f"{model_shape(CONFIG)[0]} layers of width {model_shape(CONFIG)[1]}")
 #   see :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`.)
 # * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in a separate
 #   process that DCP starts on the first save, so the write does not hold this
-#   process's GIL. It stages into shared memory, which that process maps.
+#   process's GIL. It stages into shared memory, which that process maps. That
+#   process logs every request at INFO level to the standard error it
+#   inherits: start it with standard error pointing at a log of its own if your
+#   training log must stay quiet (this page's build does).
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager``, ``StagingOptions`` and the ``AsyncSaveResponse`` that
@@ -294,7 +297,7 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
 # writes last) exists, and ``dcp.load`` reads the last one back.
 
 # sphinx_gallery_start_ignore
-RUN_LABEL = {"label": "run"}  # the parent sets it before each run: checkpoints go under it
+RUN_LABEL = {"label": "run"}  # set before each run: its checkpoints go under it
 
 
 class PeakHostMemory:
@@ -536,6 +539,8 @@ def train_with_checkpoints(strategy, config):
 # the checkpoint directory. On GPU the copies go from the device to host memory
 # (pinned when reused).
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 
 
@@ -711,6 +716,8 @@ for index, label in enumerate(ORDER):
 # is smaller than that spread (highest minus lowest) is marked *within noise*:
 # this run cannot tell it from zero.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 # metric: (heading, format, unit, the value of "no effect"; None: not an effect)
 METRICS = {
@@ -824,6 +831,8 @@ print(f"\nthe run without checkpoints took {show(baseline_wall, '.2f', ' s')}")
 # checkpoints leave ``DefaultStager`` with its fixed costs (the state dict, the
 # planning), so the ratios at this page's size say less.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 OVERHEAD_GOAL = 0.1
 
@@ -879,6 +888,8 @@ print(
 # cost over the run without checkpoints of its round, stalls and slower steps
 # together. The bars are medians, the whiskers the lowest and highest round.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 
 
@@ -936,6 +947,8 @@ plt.show()
 # also ran with every core for training, in the same rounds, and this cell
 # compares them.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 KNOB = {}
 if EVERY_CORE:
@@ -975,6 +988,8 @@ else:
 # larger of the two spreads; a smaller lead is noise and gives no advice. Rerun
 # the page, or ``make bench``, on your own hardware before you choose.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 CRITERIA = {
     "stall_per_checkpoint_s": "the pause per checkpoint matters most",
@@ -1020,6 +1035,8 @@ for sentence in ADVICE.values():
 # warm-up round's too), the limits, the machine and the torch version. The
 # figure goes next to it.
 
+# (This cell's code measures and prints; it runs in the build and is in the
+# downloadable .py, but not shown here.)
 # sphinx_gallery_start_ignore
 
 
