@@ -38,7 +38,7 @@ STRATEGIES = [
     "DefaultStager overlap",
     "process writer",
 ]
-KNOB_STRATEGIES = ["no checkpoint", "dcp.save", "DefaultStager overlap"]
+KNOB_STRATEGIES = ["no checkpoint", "DefaultStager overlap"]
 # metric: (the heading the page prints it under, the value of "no effect" or None)
 METRICS = {
     "stall_per_checkpoint_s": ("stall per checkpoint", 0.0),
