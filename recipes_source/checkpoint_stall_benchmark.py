@@ -713,9 +713,11 @@ for index, label in enumerate(ORDER):
 # overhead and the extra memory are the run's wall time and peak host memory
 # minus those of the round's run without checkpoints. Each line shows the
 # median over the rounds and, in brackets, the lowest and highest value. An
-# effect (a stall, a slow-down other than 1.00x, an overhead, extra memory) that
-# is smaller than that spread (highest minus lowest) is marked *within noise*:
-# this run cannot tell it from zero.
+# effect (a stall, a slow-down above 1.00x, an overhead, extra memory) that is
+# smaller than that spread (highest minus lowest) is marked *within noise*: this
+# run cannot tell it from zero. So is every effect below zero: a checkpoint does
+# not make training faster or use less memory, so a negative median measures
+# how noisy the machine was, nothing else.
 
 # (This cell's code measures and prints; it runs in the build and is in the
 # downloadable .py, but not shown here.)
@@ -787,7 +789,9 @@ def summarize(runs):
             if neutral is not None and known and not label.startswith("no checkpoint"):
                 entry["effect"] = entry["median"] - neutral
                 entry["spread"] = entry["max"] - entry["min"]
-                entry["within_noise"] = abs(entry["effect"]) < entry["spread"]
+                # An effect below zero (faster, or less memory, than without
+                # checkpoints) cannot be real: it is noise, whatever its spread.
+                entry["within_noise"] = entry["effect"] < entry["spread"]
             summary[label][metric] = entry
     return summary
 
@@ -851,11 +855,14 @@ def ratios(summary, copy_seconds):
             "overhead_vs_dcp_save": med(name, "overhead_s") / med("dcp.save", "overhead_s"),
         }
     overhead = per_strategy["DefaultStager overlap"]["overhead_vs_dcp_save"]
+    # A ratio to an overhead that is itself noise says nothing: then the goal is not met.
+    measurable = not summary["dcp.save"]["overhead_s"]["within_noise"]
     headline = {
         "stall_vs_dcp_save": per_strategy["DefaultStager overlap"]["stall_vs_dcp_save"],
         "overhead_vs_dcp_save": overhead,
         "goal": OVERHEAD_GOAL,
-        "met": overhead <= OVERHEAD_GOAL,
+        "dcp_save_overhead_within_noise": not measurable,
+        "met": measurable and overhead <= OVERHEAD_GOAL,
         "training_threads": CONFIG.training_threads,
     }
     return per_strategy, headline
@@ -873,10 +880,12 @@ for name in ("dcp.save", "DefaultStager overlap"):
     if SUMMARY[name]["overhead_s"]["within_noise"]:
         print(f"{name}'s total overhead is within noise: the overhead ratio says little")
 verdict = "met" if HEADLINE["met"] else "not met"
+if HEADLINE["dcp_save_overhead_within_noise"]:
+    verdict += ", dcp.save's overhead within noise"
 print(
     f"DefaultStager's total overhead is {HEADLINE['overhead_vs_dcp_save']:.2f}x dcp.save's "
     f"with {CONFIG.training_threads} training thread(s) per rank: goal (<= {OVERHEAD_GOAL}x) "
-    f"{verdict} at this size"
+    f"{verdict}, at this size"
 )
 # sphinx_gallery_end_ignore
 
@@ -1102,7 +1111,7 @@ if WRITES_HERE:
     print(
         f"checkpoint_stall_benchmark: DefaultStager stall {HEADLINE['stall_vs_dcp_save']:.3f} of "
         f"dcp.save's, total overhead {HEADLINE['overhead_vs_dcp_save']:.2f} of dcp.save's "
-        f"(goal <= {OVERHEAD_GOAL}x: {'met' if HEADLINE['met'] else 'not met'})"
+        f"(goal <= {OVERHEAD_GOAL}x: {verdict})"
     )
 # sphinx_gallery_end_ignore
 

@@ -5,8 +5,8 @@ launcher: the results file holds every strategy, a warm-up round and then the me
 interleaved order (A B C ... A B C ..., also by their start times); every median, minimum and
 maximum is what the raw per-rank measurements in the file give; every ratio and verdict the run
 printed is recomputed here from those raw numbers; "within noise" is printed exactly where an
-effect is smaller than its spread; every checkpoint the benchmark wrote is complete and loads;
-and the run leaves no file and no process behind.
+effect is smaller than its spread or below zero; every checkpoint the benchmark wrote is complete
+and loads; and the run leaves no file and no process behind.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ METRICS = {
 CRITERIA = ["stall_per_checkpoint_s", "overhead_s", "extra_memory_mb"]
 SUMMARY_LINE = re.compile(
     r"^checkpoint_stall_benchmark: DefaultStager stall (-?[\d.]+) of dcp\.save's, "
-    r"total overhead (-?[\d.]+) of dcp\.save's \(goal <= 0\.1x: (met|not met)\)$",
+    r"total overhead (-?[\d.]+) of dcp\.save's "
+    r"\(goal <= 0\.1x: (met|not met)(, dcp\.save's overhead within noise)?\)$",
     re.MULTILINE,
 )
 
@@ -107,8 +108,8 @@ def recompute(results: dict) -> dict:
 
 
 def within_noise(entry: dict, neutral: float) -> bool:
-    """The page's rule: an effect smaller than its spread (max - min) is noise."""
-    return abs(entry["median"] - neutral) < entry["max"] - entry["min"]
+    """The page's rule: an effect smaller than its spread (max - min), or below zero, is noise."""
+    return entry["median"] - neutral < entry["max"] - entry["min"]
 
 
 def printed_effects(output: str) -> dict[tuple[str, str], str]:
@@ -236,14 +237,18 @@ def check_printed(output: str, results: dict, summary: dict) -> None:
     found = SUMMARY_LINE.findall(output)
     assert len(found) == 1, output[-3000:]  # one summary line ...
     assert SUMMARY_LINE.search(output.rstrip().splitlines()[-1])  # ... and it is the last
-    printed_stall, printed_overhead, verdict = found[0]
+    printed_stall, printed_overhead, verdict, noise_note = found[0]
     assert_close_to_printed(printed_stall, stall_ratio)
     assert_close_to_printed(printed_overhead, overhead_ratio)
-    assert verdict == ("met" if overhead_ratio <= 0.1 else "not met")
+    # A ratio to a dcp.save overhead that is itself noise cannot meet the goal.
+    dcp_save_noise = within_noise(summary["dcp.save"]["overhead_s"], 0.0)
+    met = not dcp_save_noise and overhead_ratio <= 0.1
+    assert verdict == ("met" if met else "not met")
+    assert bool(noise_note) == dcp_save_noise
     headline = results["headline"]
     assert headline["stall_vs_dcp_save"] == pytest.approx(stall_ratio)
     assert headline["overhead_vs_dcp_save"] == pytest.approx(overhead_ratio)
-    assert headline["met"] == (overhead_ratio <= 0.1)
+    assert headline["met"] == met
     copy_seconds = results["checkpoint_bytes_per_rank"] / (
         results["limits_GBps"]["copy_reused"] * 1e9
     )
