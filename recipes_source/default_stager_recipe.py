@@ -105,6 +105,7 @@ page.
 
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,6 @@ import json
 import statistics
 import threading
 import time
-import warnings
 from concurrent.futures import wait
 
 import matplotlib.pyplot as plt
@@ -197,10 +197,8 @@ def staging_options():
 def show_staging_options():
     if dist.get_rank() != 0:
         return
-    # sphinx_gallery_start_ignore
     # Without CUDA the defaults first warn that pinning is ignored; the error is the point.
     warnings.filterwarnings("ignore", message="Ignoring pin_memory flag")
-    # sphinx_gallery_end_ignore
     try:
         DefaultStager().close()
         print("DefaultStager() with the default options: works on this machine")

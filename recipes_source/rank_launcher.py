@@ -222,12 +222,15 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
 def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
     """Run a single-process step (no process group needed) exactly once.
 
-    In the gallery and as a script it runs right here; under torchrun rank 0
-    runs it while the other ranks wait, so files are written once.
+    In the gallery and as a script it runs in one forked process, so that the
+    launching process never starts the threads that libraries leave behind
+    (thread pools, progress-bar monitors): forking the next ranks from a process
+    with such threads can deadlock them. Under torchrun rank 0 runs it while the
+    other ranks wait, so files are written once.
     """
     _no_main_script_to_rerun()
     if not under_torchrun():
-        return fn(*args)
+        return _run_forked(fn, args, 1, _timeout_s(None), group=False)[0]
     _ensure_torchrun_group()
     result: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -250,7 +253,10 @@ def _no_main_script_to_rerun() -> None:
         main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
 
 
-def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float) -> list[Any]:
+def _run_forked(
+    fn: Callable[..., Any], args: tuple, ranks: int, timeout: float, group: bool = True
+) -> list[Any]:
+    """Fork ``ranks`` processes that run ``fn``, each in the process group unless not ``group``."""
     recipe = _recipe_name()
     # fully_shard and optimizers import torch._dynamo lazily (~2 s); import it
     # once here so that every forked rank inherits it instead of paying again.
@@ -261,7 +267,7 @@ def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float)
     try:
         context = mp.start_processes(
             _rank_entry,
-            args=(fn, args, ranks, store.port, workdir, timeout),
+            args=(fn, args, ranks, store.port, workdir, timeout, group),
             nprocs=ranks,
             join=False,
             start_method="fork",
@@ -274,12 +280,12 @@ def _run_forked(fn: Callable[..., Any], args: tuple, ranks: int, timeout: float)
                 failure = killed
             raise RankFailedError(_describe_failure(recipe, failure, outputs, workdir))
         for rank, text in enumerate(outputs):
-            sys.stdout.write(_label(rank, text))
+            sys.stdout.write(_label(rank, text) if group else text)
         results = [
             pickle.loads(Path(workdir, f"rank{r}.result").read_bytes()) for r in range(ranks)
         ]
-        device = results[0][1]
-        _write_stamp(device, ranks)
+        if group:  # a page's stamp names the ranks it ran on, not a one-process step
+            _write_stamp(results[0][1], ranks)
         return [value for value, _ in results]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -361,6 +367,7 @@ def _rank_entry(
     port: int,
     workdir: str,
     timeout: float,
+    group: bool,
 ) -> None:
     """Body of one forked rank. Never returns: it leaves with os._exit."""
     log = open(Path(workdir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
@@ -379,19 +386,21 @@ def _rank_entry(
         # Collectives time out after the launch deadline, never before it: a hang is then
         # reported by the launcher, with every rank still running and its output.
         beyond_the_deadline = datetime.timedelta(seconds=timeout + 60)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=beyond_the_deadline)
-        dist.init_process_group(
-            _backend(),
-            store=store,
-            rank=rank,
-            world_size=ranks,
-            timeout=beyond_the_deadline,
-        )
+        if group:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=beyond_the_deadline)
+            dist.init_process_group(
+                _backend(),
+                store=store,
+                rank=rank,
+                world_size=ranks,
+                timeout=beyond_the_deadline,
+            )
         value = fn(*args)
-        # Everyone reaches here before teardown: tearing gloo down while a
-        # peer is still sending aborts the process now and then.
-        dist.barrier()
-        dist.destroy_process_group()
+        if group:
+            # Everyone reaches here before teardown: tearing gloo down while a
+            # peer is still sending aborts the process now and then.
+            dist.barrier()
+            dist.destroy_process_group()
         device = _device_description() if rank == 0 else ""
         Path(workdir, f"rank{rank}.result").write_bytes(pickle.dumps((value, device)))
         code = 0

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from rank_launcher import run_on_ranks, shared_tempdir
+from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -85,7 +85,6 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import psutil
-from rank_launcher import under_torchrun
 from torch.distributed.checkpoint import FileSystemReader
 
 if REPEATS < 2:

@@ -26,7 +26,10 @@ from dcp_site import recipe_names, standalone_script
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes_source"
 HTML = ROOT / "_build" / "html"
-RECIPE_TIMEOUT_S = 300
+# A hang inside a launch is reported by the launcher (with every rank's output) at its
+# deadline, well before the test gives up on the whole run.
+LAUNCH_DEADLINE_S = "240"
+RECIPE_TIMEOUT_S = 600
 CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
 # What an unintended problem looks like in a run's output.
@@ -84,6 +87,7 @@ class RecipeRunner:
         for name in ("DCP_RECIPES_STAMP_DIR", "PYTHONPATH"):
             env.pop(name, None)
         env.update(TMPDIR=str(self.tmpdir), PYTHONUNBUFFERED="1")
+        env.setdefault("DCP_RECIPES_TIMEOUT", LAUNCH_DEADLINE_S)
         env.update(extra)
         return env
 

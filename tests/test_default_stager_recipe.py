@@ -210,7 +210,7 @@ def test_page_shows_the_timeline_and_links_the_trace(site):
     """The built page: the measured timeline figure, and the trace as a download."""
     page = BeautifulSoup((site / "recipes" / f"{RECIPE}.html").read_text(), "html.parser")
     assert page.select("img.sphx-glr-single-img"), "the timeline figure"
-    links = {a.get_text(strip=True): a["href"] for a in page.select("div.dcp-page-links a")}
+    links = {a.get_text(" ", strip=True): a["href"] for a in page.select("div.dcp-page-links a")}
     trace = site / "recipes" / links["Download the profiler trace"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "DefaultStager: copy to host" for e in events)

