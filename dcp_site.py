@@ -272,9 +272,9 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
     launcher_source = (confdir / SOURCE_DIR / LAUNCHER).read_text()
     sources = outdir / "_sources" / SOURCE_DIR
     sources.mkdir(parents=True, exist_ok=True)
+    gallery = confdir / GALLERY_DIR
     for stem in recipe_names(confdir):
         shutil.copyfile(confdir / SOURCE_DIR / f"{stem}.py", sources / f"{stem}.py.txt")
-        gallery = confdir / GALLERY_DIR
         # Always from the gallery's own files, so that a rebuild never inlines twice.
         script = standalone_script((gallery / f"{stem}.py").read_text(), launcher_source)
         notebook = json.loads((gallery / f"{stem}.ipynb").read_text())

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
-import psutil
 from recipe_runner import RECIPES, assert_ok, checkpoint_files_in_repo
 
 RECIPE = "async_save_recipe"
@@ -29,24 +27,6 @@ TABLE_ROWS = (
     "async_save, checkpoint process",
 )
 ALL_RANKS = re.escape(str(list(range(RANKS))))
-
-
-def processes_left_by(recipe_runner, grace_s: float = 5.0) -> list[str]:
-    """Processes still running that a run started (they carry its private TMPDIR)."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        left = []
-        for process in psutil.process_iter(["pid", "cmdline", "status"]):
-            try:
-                if process.info["status"] == psutil.STATUS_ZOMBIE:
-                    continue
-                if process.environ().get("TMPDIR") == str(recipe_runner.tmpdir):
-                    left.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
 
 
 def found(pattern: str, output: str) -> re.Match:
@@ -164,7 +144,7 @@ def test_recipe_with_gallery_launcher(recipe_runner):
     output = assert_ok(recipe_runner.python(RECIPE, world_size=RANKS))
     assert_recipe_ran(output)
     assert recipe_runner.leftovers() == []
-    assert processes_left_by(recipe_runner) == []
+    assert recipe_runner.processes_left() == []
     assert sorted(os.listdir(RECIPES)) == recipes_before
     assert checkpoint_files_in_repo() == []
 
@@ -173,4 +153,4 @@ def test_recipe_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=RANKS))
     assert_recipe_ran(output)
     assert recipe_runner.leftovers() == []
-    assert processes_left_by(recipe_runner) == []
+    assert recipe_runner.processes_left() == []

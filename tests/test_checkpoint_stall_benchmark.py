@@ -15,11 +15,9 @@ import json
 import os
 import re
 import statistics
-import time
 import warnings
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -303,31 +301,6 @@ def check_checkpoints(results: dict, checkpoint_root: Path) -> None:
     assert len(entries) == 1 and entries.pop() > 0  # every checkpoint holds the same tensors
 
 
-def processes_started_by(tmpdir: Path) -> list[psutil.Process]:
-    """Processes (other than this one) whose environment has the run's private TMPDIR."""
-    found = []
-    for process in psutil.process_iter():
-        if process.pid == os.getpid():
-            continue
-        try:
-            if process.environ().get("TMPDIR") == str(tmpdir):
-                found.append(process)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
-def wait_for_no_processes(tmpdir: Path, deadline_s: float = 20.0) -> list[str]:
-    """Leftover processes of the run; exiting ones get ``deadline_s`` to finish exiting."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        left = [p for p in processes_started_by(tmpdir) if p.is_running()]
-        left = [p for p in left if p.status() != psutil.STATUS_ZOMBIE]
-        if not left or time.monotonic() > deadline:
-            return [f"{p.pid}: {' '.join(p.cmdline())}" for p in left]
-        time.sleep(0.2)
-
-
 def run_and_check(recipe_runner, tmp_path: Path, launch, ranks: int, labels: list[str]) -> dict:
     results_path = tmp_path / "bench" / f"{RECIPE}.json"
     checkpoint_root = tmp_path / "checkpoints"
@@ -352,7 +325,7 @@ def run_and_check(recipe_runner, tmp_path: Path, launch, ranks: int, labels: lis
         f"{RECIPE}.png",
     ]
     assert recipe_runner.leftovers() == []
-    assert wait_for_no_processes(recipe_runner.tmpdir) == []
+    assert recipe_runner.processes_left(grace_s=20.0) == []
     assert checkpoint_files_in_repo() == []
     return results
 
