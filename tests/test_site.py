@@ -19,7 +19,9 @@ import yaml
 from bs4 import BeautifulSoup
 from nbclient import NotebookClient
 from recipe_runner import (
+    LAUNCH_DEADLINE_S,
     RECIPE_NAMES,
+    RECIPE_TIMEOUT_S,
     RECIPES,
     ROOT,
     TRACEBACK,
@@ -220,11 +222,17 @@ def test_downloaded_notebook_runs_alone(site, name, tmp_path, monkeypatch):
     shutil.copyfile(page_download(name, ".ipynb"), notebook_path)
     monkeypatch.setenv("TMPDIR", str(tmpdir))  # the kernel inherits it: leftovers show
     monkeypatch.setenv("DCP_RECIPES_WORLD_SIZE", "2")
+    # A hang in a launch is reported by the launcher, with each rank's output, before the
+    # cell's own timeout.
+    monkeypatch.setenv("DCP_RECIPES_TIMEOUT", LAUNCH_DEADLINE_S)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.delenv("DCP_RECIPES_STAMP_DIR", raising=False)
     notebook = nbformat.read(notebook_path, as_version=4)
     client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": workdir}}
+        notebook,
+        timeout=RECIPE_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": workdir}},
     )
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on an error
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
