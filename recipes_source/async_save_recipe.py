@@ -48,12 +48,16 @@ the top of the page.
 import os
 import re
 import shutil
+import statistics
+import time
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -70,16 +74,12 @@ print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
 import copy
 import logging
 import multiprocessing
-import statistics
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 import warnings
 
-import psutil
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 MEASURED = {}  # what the training runs measured, by checkpoint root
@@ -450,13 +450,14 @@ print_saves(async_runs)
 # Reuse one stager for every save
 # -------------------------------
 # Allocating a fresh host copy for every save costs time: on GPU, copies into
-# ordinary (pageable) memory are slow, and on any machine new memory has to be
-# faulted in page by page. A ``DefaultStager`` created once and passed as
-# ``async_stager`` to every save keeps the buffers of its first save and copies
-# into them at every later one, at the price of holding them for the whole
-# run. On GPU, ``staging_options()`` pins them (page-locked memory is what lets
-# the GPU copy at full speed); on CPU nothing is pinned. Create the stager on
-# the rank, once its device is chosen, and close it after the last save: that
+# ordinary (pageable) memory are slower than into page-locked memory (measured
+# below), and on any machine new memory has to be faulted in page by page. A
+# ``DefaultStager`` created once and passed as ``async_stager`` to every save
+# keeps the buffers of its first save and copies into them at every later
+# one, at the price of holding them for the whole run. On GPU,
+# ``staging_options()`` pins them (page-locked memory is what lets the GPU
+# copy at full speed); on CPU nothing is pinned. Create the stager on the
+# rank, once its device is chosen, and close it after the last save: that
 # frees its buffers (and unpins them).
 #
 # Use this on GPU too, rather than the older
@@ -466,7 +467,7 @@ print_saves(async_runs)
 # buffers live as long as the writer; and it pins with ``.pin_memory()``,
 # whose caching host allocator rounds every buffer up to a power of two (up to
 # about twice the host memory), where ``DefaultStager`` registers exactly the
-# bytes of each tensor's storage.
+# bytes of each tensor's storage (also measured below).
 #
 # What reuse needs is the same state at every save. ``DefaultStager`` finds a
 # buffer by the storage of the tensor it copies, so ``state_dict()`` must
@@ -493,6 +494,82 @@ one_stager_runs = run_on_ranks(train_with_one_stager, os.path.join(WORK_DIR, "on
 # sphinx_gallery_start_ignore
 print_saves(one_stager_runs)
 # sphinx_gallery_end_ignore
+
+
+# %%
+# What pinning buys, measured on a GPU
+# ------------------------------------
+# The two claims above about pinned memory hold only where there is a device
+# to copy from, so a build on a GPU measures them, in a process of its own.
+# First the host memory that pinned staging buffers take, for a state shaped
+# like GPT-2 small's token embedding and two of its weight matrices: staged
+# once through the writer's cache, and once through a ``DefaultStager`` (the
+# machine's available memory before and after each, as ``free`` shows it).
+# Then a copy of 256 MiB from the GPU into new pageable memory (what
+# ``async_save`` does when you give it no stager), into reused pageable
+# memory, and into reused pinned memory. On a machine without a GPU the cell
+# says so and measures nothing.
+
+
+def host_memory_taken(stage, state):
+    """Bytes of the machine's available memory that ``stage(state)`` took."""
+    before = psutil.virtual_memory().available
+    stage(state)  # the staged copy stays alive in the stager or writer
+    return before - psutil.virtual_memory().available
+
+
+def pinned_staging_memory():
+    state = {  # GPT-2 small: vocabulary x width, width x 4 widths, width x width (fp32)
+        "wte.weight": torch.rand(50257, 768, device="cuda"),
+        "mlp.c_fc.weight": torch.rand(768, 3072, device="cuda"),
+        "attn.c_proj.weight": torch.rand(768, 768, device="cuda"),
+    }
+    state_bytes = sum(tensor.nbytes for tensor in state.values())
+    writer = FileSystemWriter(os.path.join(WORK_DIR, "pinned"), cache_staged_state_dict=True)
+    stager = DefaultStager(staging_options())  # pinned, as everywhere on this page on a GPU
+    by_writer = host_memory_taken(writer.stage, state)
+    by_stager = host_memory_taken(stager.stage, state)
+    print(f"pinned staging buffers for a {state_bytes / 1e6:.1f} MB state take:")
+    print(f"  FileSystemWriter(cache_staged_state_dict=True) {by_writer / 1e6:7.1f} MB")
+    print(f"  DefaultStager(use_pinned_memory=True)          {by_stager / 1e6:7.1f} MB")
+    stager.close()
+    # sphinx_gallery_start_ignore
+    for name, taken in (("writer", by_writer), ("stager", by_stager)):
+        assert taken > 0.9 * state_bytes, f"the {name}'s buffers were not measured: {taken} B"
+    print(f"  that is {by_writer / state_bytes:.2f}x and {by_stager / state_bytes:.2f}x the state")
+    # sphinx_gallery_end_ignore
+
+
+def copy_to_host_gbps(source, into=None, repeats=5):
+    """GB/s of copying ``source`` from the GPU into ``into``, or into new memory."""
+    seconds = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if into is None:
+            source.to("cpu")
+        else:
+            into.copy_(source, non_blocking=into.is_pinned())
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return source.nbytes / statistics.median(seconds) / 1e9
+
+
+def copy_speeds():
+    source = torch.rand(64 * 2**20, device="cuda")  # 256 MiB
+    pageable = torch.empty(source.shape)
+    pinned = torch.empty(source.shape, pin_memory=True)
+    print(f"a copy of {source.nbytes / 2**20:.0f} MiB from the GPU, median of 5, into")
+    print(f"  new pageable memory    {copy_to_host_gbps(source):6.1f} GB/s")
+    print(f"  reused pageable memory {copy_to_host_gbps(source, pageable):6.1f} GB/s")
+    print(f"  reused pinned memory   {copy_to_host_gbps(source, pinned):6.1f} GB/s")
+
+
+if torch.cuda.is_available():
+    run_on_one_process(pinned_staging_memory)
+    run_on_one_process(copy_speeds)
+else:
+    print("no GPU on this machine: no copy from a device and no pinned memory to measure")
 
 
 # %%
@@ -629,22 +706,23 @@ if shm is not None:
 print()
 
 
-def summarise(name, runs):
+def median_ms(runs, key):
+    """Median over the saves after the first of the slowest rank's milliseconds."""
     later_saves = range(1, len(runs[0]["saves"]))
+    return statistics.median(1000 * max(r["saves"][i][key] for r in runs) for i in later_saves)
 
-    def median_ms(key):
-        values = [1000 * max(r["saves"][i][key] for r in runs) for i in later_saves]
-        return statistics.median(values)
 
+def summarise(name, runs):
     steps = runs[0]["steps"][1:]
     idle = [step["seconds"] for step in steps if not step["in_flight"]]
     busy = [step["seconds"] for step in steps if step["in_flight"]]
     slowdown = "-"
     if busy and idle:
         slowdown = f"{statistics.median(busy) / statistics.median(idle) - 1:+.0%}"
-    upload = f"{median_ms('done'):.0f} ms"
+    upload = f"{median_ms(runs, 'done'):.0f} ms"
     in_flight = f"{len(busy)}/{len(steps)}"
-    return f"{name:<38} {median_ms('blocked'):6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
+    stall = median_ms(runs, "blocked")
+    return f"{name:<38} {stall:6.1f} ms {upload:>9} {in_flight:>10} {slowdown:>10}"
 
 
 print(f"{'strategy':<38} {'stall':>9} {'upload':>9} {'in flight':>10} {'slow-down':>10}")
@@ -1002,6 +1080,17 @@ run_on_ranks(tear_saves, torn_root)
 
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
+# sphinx_gallery_start_ignore
+stalls = {
+    "dcp.save": phase_ms("dcp.save"),
+    "async_save": median_ms(async_runs, "blocked"),
+    "one reused DefaultStager": median_ms(one_stager_runs, "blocked"),
+    "checkpoint process": median_ms(process_runs, "blocked"),
+}
+machine = "GPU" if torch.cuda.is_available() else "CPU"
+listed = ", ".join(f"{name} {ms:.1f} ms" for name, ms in stalls.items())
+print(f"async_save_recipe: stall on {machine} (median, slowest rank): {listed}")
+# sphinx_gallery_end_ignore
 
 
 # %%

@@ -9,8 +9,8 @@ next forward and backward pass run. The contract is that nothing may change
 what is being copied until ``staging_completion`` resolves, and the usual
 advice, "wait for ``staging_completion`` right before ``optimizer.step()``",
 covers only the optimizer. This recipe runs four training loops that break
-the contract, shows what each writes into its checkpoints, and proves each
-fix bit for bit.
+the contract, and one that breaks it only on a GPU, shows what each writes
+into its checkpoints, and proves each fix bit for bit.
 
 .. grid:: 2
 
@@ -21,7 +21,8 @@ fix bit for bit.
          that updates buffers (BatchNorm), a reused stager's buffer overwritten
          by the next save, and Python values changed after the save call
        * The loop that fixes each one, proven bit-exact at every save
-       * Where a GPU loop must synchronise before ``async_save``, and why
+       * Where a GPU loop must synchronise before ``async_save``, and what it
+         saves when it does not
        * How often each race hits when nothing decides it
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
@@ -43,7 +44,9 @@ measured when this page was built, on the machine named at the top of the page.
 # -----
 # One rule for the staging options on every page of this site, chosen from the
 # machine. On a GPU, pinned memory and non-blocking copies speed up the copy
-# from the device; on a CPU-only machine they do not apply (and
+# from the device (measured in
+# :ref:`the async_save recipe <sphx_glr_recipes_async_save_recipe.py>`); on a
+# CPU-only machine they do not apply (and
 # non-blocking copies raise without an accelerator). Shared memory serves only
 # a checkpoint *process*; this page uploads from a thread. What this page is
 # about is ``use_async_staging=True``: the copy runs in a background thread.
@@ -205,9 +208,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 HOLD = True  # the race-counting section at the end turns the hold off
 LOOPS_LEFT_TO_CHANCE_SAVE = 8  # saves per loop there
 
-# label: (what is held, the outcome the page proves with the hold)
+# label: (what is held, the outcome the page proves with the hold). "device": the
+# compute stream is kept busy ahead of the step; without streams (CPU) nothing races.
 EXPECTED = {
     "wait_before_step": ("copies", "bit-exact"),
+    "save_without_synchronizing": ("device", "torn on a device"),
+    "synchronize_before_save": ("device", "bit-exact"),
     "step_before_staging": ("copies", "torn"),
     "wait_before_step_with_batch_norm": ("copies", "torn"),
     "wait_before_forward": ("copies", "bit-exact"),
@@ -237,8 +243,9 @@ FileSystemWriter.write_data = _write_data_when_let
 class HeldStager(AsyncStager):
     """Page only: DefaultStager, with the start of its copy and of uploads held."""
 
-    def __init__(self, stager, hold_copies=False, hold_writes=False):
+    def __init__(self, stager, hold_copies=False, hold_writes=False, hold_device=False):
         self.stager, self.hold_copies, self.hold_writes = stager, hold_copies, hold_writes
+        self.hold_device = hold_device
         self.snapshots = []  # (state at the save call, checkpoint path)
         self._copy_may_start = threading.Event()
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-stager")
@@ -266,6 +273,25 @@ class HeldStager(AsyncStager):
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the change has happened on the device
             self._copy_may_start.set()
+
+    def keep_device_busy(self):
+        """Queue about half a second of GPU work ahead of what the loop queues next.
+
+        As a large model's kernels do: the step queued after it runs that much later,
+        long after async_save has started the stager's copy on the stager's stream.
+        """
+        if self.hold_device and torch.cuda.is_available():
+            torch.cuda._sleep(10**9)  # a spin kernel of 1e9 GPU clock cycles
+
+    def warm_up(self, state):
+        """Stage once before the loop: every save in it reuses the stager's buffers.
+
+        The first save of a stager registers its pinned buffers, and that can make CUDA
+        wait for the device; the saves after it copy with no such wait, as in a long run.
+        """
+        staged = self.stager.stage(state)
+        if isinstance(staged, Future):
+            staged.result()
 
     def let_writes_start(self, keep=None):
         """Let every held upload write, except the one of checkpoint ``keep``."""
@@ -340,6 +366,8 @@ def report(label, stager):
         example = example or differ
     if HOLD:
         expect = EXPECTED[label][1]
+        if expect == "torn on a device":
+            expect = "torn" if torch.accelerator.is_available() else "bit-exact"
         torn = sum(count > 0 for count in counts)
         verdict = {0: "bit-exact every time", len(counts): "not the saved state, every time"}
         print(f"{label:<34} {counts} of {compared} differ: {verdict.get(torn)}")
@@ -362,7 +390,14 @@ def run_loop(loop, batch_norm_first=False, checkpoints_under=WORK_DIR):
     # sphinx_gallery_start_ignore
     label = loop_label(loop, batch_norm_first)
     held = EXPECTED[label][0] if HOLD else None
-    stager = HeldStager(stager, hold_copies=held == "copies", hold_writes=held == "writes")
+    stager = HeldStager(
+        stager,
+        hold_copies=held == "copies",
+        hold_writes=held == "writes",
+        hold_device=held == "device",
+    )
+    if held == "device":
+        stager.warm_up(checkpoint_state(model, optimizer))
     saves = SAVES if HOLD else LOOPS_LEFT_TO_CHANCE_SAVE
     saves += label in NEEDS_A_NEXT_SAVE
     loop = functools.partial(loop, saves=saves)
@@ -424,6 +459,99 @@ def correct_pattern():
 
 
 run_on_ranks(correct_pattern)
+
+
+# %%
+# On a GPU: the stager's stream does not wait for yours
+# -----------------------------------------------------
+# Drop that synchronisation, and on a GPU the stager can copy tensors before
+# the kernels that compute them have run. ``optimizer.step()`` only queues its
+# kernels on your stream and returns. With async staging and non-blocking
+# copies (this site's choice on a GPU), the stager queues its copies on a
+# stream of its own, and nothing orders them after yours. Whether a copy
+# overtakes the step depends on how far the GPU is behind the host; in a real
+# job it is often far behind, which is what keeps it busy. Here the build
+# keeps the GPU half a second behind before each step, with a line the page
+# does not show, and the stager has staged once before the loop, as it has at
+# every save of a long run but the first.
+#
+# The race needs both options. Blocking copies in the stager's thread go on
+# the device's default stream, behind the work queued there (where training
+# runs unless you chose another stream), and synchronous staging waits for the
+# whole device. On CPU there are no streams: the loop below is exact there.
+# The second loop is the fix, the line every other loop on this page has.
+
+
+def save_without_synchronizing(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        batch = next(data)
+        # sphinx_gallery_start_ignore
+        stager.keep_device_busy()  # the GPU is half a second behind the host
+        # sphinx_gallery_end_ignore
+        train_step(model, optimizer, batch)  # queues the step's kernels and returns
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        # BUG: nothing orders the stager's copies after the step's kernels.
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        response.staging_completion.result()
+        response.upload_completion.result()
+
+
+def synchronize_before_save(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
+    for save in range(saves):
+        path = os.path.join(checkpoint_dir, f"save-{save}")
+        batch = next(data)
+        # sphinx_gallery_start_ignore
+        stager.keep_device_busy()  # the GPU is half a second behind the host
+        # sphinx_gallery_end_ignore
+        train_step(model, optimizer, batch)
+        state = checkpoint_state(model, optimizer)
+        # sphinx_gallery_start_ignore
+        stager.snapshot(state, path)
+        # sphinx_gallery_end_ignore
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # the stager does not wait
+        response = dcp.async_save(
+            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+        )
+        response.staging_completion.result()
+        response.upload_completion.result()
+
+
+def stream_race():
+    run_loop(save_without_synchronizing)
+    run_loop(synchronize_before_save)
+    # sphinx_gallery_start_ignore
+    if dist.get_rank() == 0:
+        torn = sum(count > 0 for count in COUNTS["save_without_synchronizing"])
+        where = f"on {device_for_this_rank().type}"
+        why = "the stager copied before the step ran" if torn else "no stream to race with"
+        print(f"without the synchronisation, {where}: {torn} of {SAVES} checkpoints torn ({why})")
+    # sphinx_gallery_end_ignore
+
+
+run_on_ranks(stream_race)
+
+
+# %%
+# On a GPU, the first loop's checkpoints hold what the stager found when it
+# copied: the weights and Adam's moments from before the step, next to Adam's
+# step counters from after it (they live on the CPU, where the step updates
+# them at once). That is a state no run ever had, and nothing fails: a resumed
+# run just does not continue where it stopped. The synchronisation costs the
+# loop the time the GPU needs for the work already queued, once per save.
+#
+# Build the state dict before you synchronise. GPU work that the state dict
+# call itself queues (clones, an offload, gathering full tensors) is covered
+# only if it comes first, and ``async_save`` calls each ``Stateful``'s
+# ``state_dict()`` after your synchronisation, inside the call: a ``Stateful``
+# that queues GPU work there must synchronise at the end of its own
+# ``state_dict()``.
 
 
 # %%

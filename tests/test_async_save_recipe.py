@@ -130,9 +130,30 @@ def assert_torn_checkpoints(output: str) -> None:
     assert int(resumed[1]) > 0
 
 
+def assert_pinning_measured_only_on_a_gpu(output: str) -> None:
+    # On a GPU the page measures pinned against pageable memory (the GPU check runs it);
+    # on CPU it says there is nothing to measure, and measures nothing.
+    found(r"no GPU on this machine: no copy from a device and no pinned memory to measure", output)
+    assert "GB/s" not in output and "pinned staging buffers" not in output
+
+
+def assert_summary_line(output: str) -> None:
+    """The line `make gpu-check` puts in its table: the stalls of the page's table."""
+    summary = found(
+        r"async_save_recipe: stall on CPU \(median, slowest rank\): dcp\.save ([\d.]+) ms, "
+        r"async_save ([\d.]+) ms, one reused DefaultStager ([\d.]+) ms, checkpoint process "
+        r"([\d.]+) ms",
+        output,
+    )
+    for label, stall in zip(TABLE_ROWS, summary.groups(), strict=True):
+        found(rf"{re.escape(label)} +{re.escape(stall)} ms", output)
+
+
 def assert_recipe_ran(output: str) -> None:
     assert_zero_lr_step(output)
     assert_training_runs(output)
+    assert_pinning_measured_only_on_a_gpu(output)
+    assert_summary_line(output)
     assert_checkpoint_process(output)
     assert_torn_checkpoints(output)
     assert "Traceback" not in output

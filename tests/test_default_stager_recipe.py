@@ -204,6 +204,21 @@ def test_recipe_with_gallery_launcher(recipe_runner):
     assert re.search(r"median\s+[\d.]+\s+[\d.]+", output), "the blocked-time table"
     assert_profiler_traces(output, recipe_runner)
     assert_cleaned_up(output, recipe_runner)
+    assert_summary_line(output)
+
+
+def assert_summary_line(output: str) -> None:
+    """The line `make gpu-check` puts in its table: the medians the page's table printed."""
+    medians = re.search(r"^median\s+([\d.]+)\s+([\d.]+)$", output, re.MULTILINE)
+    summary = re.search(
+        r"^default_stager_recipe: blocked per save on CPU \(median, slowest rank\): "
+        r"async_save ([\d.]+) ms, DefaultStager ([\d.]+) ms; steps 1 to \d+ \(rank 0\): "
+        r"[\d.]+ s and [\d.]+ s$",
+        output,
+        re.MULTILINE,
+    )
+    assert medians and summary, "no summary line, or no table it summarises"
+    assert summary.groups() == medians.groups()
 
 
 def test_page_shows_the_timeline_and_links_the_trace(site):
