@@ -611,9 +611,10 @@ else:
 # was complete (same median). *Slow-down*: median time of the steps that
 # started while an upload was in flight, against the steps that started with
 # none (rank 0, first step left out). These are a handful of steps on a
-# shared machine: read the slow-down as rough. On this page the background
-# work competes with training for the same few CPU cores; on a GPU machine the
-# steps run on the GPU and the host has cores to spare.
+# shared machine: read the slow-down as rough. Built on CPU, the background
+# work competes with training for the same few cores; built on a GPU, the
+# steps run on the GPU, and the slow-down is what the upload's work on the
+# host still costs them.
 
 
 def train_in_checkpoint_process(checkpoint_root):

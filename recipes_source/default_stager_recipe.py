@@ -773,13 +773,23 @@ def describe_trace(path):
     print(f"  on the training thread: {counts}")
     if copies:
         print(f"  DefaultStager: copy to host x{len(copies)}, on {where}")
-    streams = collections.defaultdict(collections.Counter)
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy"):
-            streams[e["cat"]][e.get("args", {}).get("stream")] += 1
-    if streams:  # on a GPU: which streams ran the kernels and the device-to-host copies
-        print(f"  GPU kernels by stream: {dict(streams['kernel'])}")
-        print(f"  GPU copies by stream: {dict(streams['gpu_memcpy'])}")
+    kernels = collections.Counter(
+        e.get("args", {}).get("stream") for e in events if e.get("cat") == "kernel"
+    )
+    # "Memcpy DtoH (Device -> Pinned)": a copy to host memory, and the kind of that memory.
+    to_host = collections.Counter(
+        (e.get("args", {}).get("stream"), e["name"].partition("-> ")[2].rstrip(")") or "?")
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and "DtoH" in e.get("name", "")
+    )
+    if kernels:  # on a GPU: the streams that ran the kernels and the copies to host memory
+        compute = kernels.most_common(1)[0][0]
+        print(f"  GPU kernels: {kernels.total()}, {kernels[compute]} of them on stream {compute}")
+        for (stream, memory), count in sorted(to_host.items(), key=str):
+            which = "the compute stream" if stream == compute else "a stream of its own"
+            if stream != compute and kernels[stream]:
+                which = f"a stream with {kernels[stream]} kernels"
+            print(f"  copies to {memory.lower()} host memory on stream {stream} ({which}): {count}")
 
 
 print("\nProfiler traces of rank 0 (Chrome trace JSON: https://ui.perfetto.dev, chrome://tracing):")
@@ -829,7 +839,8 @@ SUMMARY = (
 # writes it beside itself): open it in https://ui.perfetto.dev or
 # ``chrome://tracing``. A profile of your own job shows the same picture: the
 # copy on a thread of the stager's, and on a GPU the device-to-host copies on
-# the stager's stream beside the compute kernels on yours.
+# the stager's stream beside the compute kernels on yours (built on a GPU, the
+# lines under the figure count both, stream by stream).
 #
 # The lines after them give the numbers for each save after the first: times in
 # ms since the ``async_save`` call, on rank 0. The copy (``staging``) starts

@@ -226,6 +226,7 @@ EXPECTED = {
 # The last save of a loop has no next save that could overwrite its buffers.
 NEEDS_A_NEXT_SAVE = {"next_save_before_upload", "wait_for_upload_before_next_save"}
 COUNTS = {}  # label -> entries that differ, per checkpoint, of the last run of the loop
+DIFFERED = {}  # label -> (names that differed in any checkpoint, every tensor's name)
 _held_writes = {}  # checkpoint path -> threading.Event: its upload writes once set
 _file_system_write_data = FileSystemWriter.write_data
 
@@ -359,11 +360,14 @@ def report(label, stager):
     if dist.get_rank() != 0:
         return None
     snapshots = stager.snapshots[:-1] if label in NEEDS_A_NEXT_SAVE else stager.snapshots
-    counts, example = [], []
+    counts, example, differed = [], [], set()
     for snapshot, path in snapshots:
         differ, compared = differences(snapshot, path)
         counts.append(len(differ))
         example = example or differ
+        differed.update(differ)
+    tensors = [name for name, value in flatten(snapshots[0][0]).items() if torch.is_tensor(value)]
+    DIFFERED[label] = (differed, tensors)
     if HOLD:
         expect = EXPECTED[label][1]
         if expect == "torn on a device":
@@ -532,6 +536,17 @@ def stream_race():
         where = f"on {device_for_this_rank().type}"
         why = "the stager copied before the step ran" if torn else "no stream to race with"
         print(f"without the synchronisation, {where}: {torn} of {SAVES} checkpoints torn ({why})")
+        differed, tensors = DIFFERED["save_without_synchronizing"]
+        kinds = {  # what a name ends with -> what it is
+            ("weight", "bias"): "weights and biases",
+            ("exp_avg", "exp_avg_sq"): "Adam's moments",
+            ("step",): "Adam's step counters",
+        }
+        counted = []
+        for endings, kind in kinds.items():
+            names = [name for name in tensors if name.rsplit(".", 1)[-1] in endings]
+            counted.append(f"{sum(name in differed for name in names)} of {len(names)} {kind}")
+        print(f"  from before the step: {', '.join(counted)}")
     # sphinx_gallery_end_ignore
 
 
@@ -539,11 +554,12 @@ run_on_ranks(stream_race)
 
 
 # %%
-# On a GPU, the first loop's checkpoints hold what the stager found when it
-# copied: the weights and Adam's moments from before the step, next to Adam's
-# step counters from after it (they live on the CPU, where the step updates
-# them at once). That is a state no run ever had, and nothing fails: a resumed
-# run just does not continue where it stopped. The synchronisation costs the
+# The lines under the cell count, kind by kind, what the first loop's
+# checkpoints hold from before the step. On a GPU, tensors on the device can
+# be copied before the step's kernels write them, while Adam's step counters
+# live on the CPU, where the step updates them at once: a checkpoint with
+# some of each is a state no run ever had. Nothing fails; a resumed run just
+# does not continue where it stopped. The synchronisation costs the
 # loop the time the GPU needs for the work already queued, once per save.
 #
 # Build the state dict before you synchronise. GPU work that the state dict
@@ -838,8 +854,11 @@ run_on_ranks(run_loop, progress_copied_at_save_call)
 # %%
 # How often the races hit without the hold
 # ----------------------------------------
-# The same four broken loops, with nothing deciding the race: the plain
-# ``DefaultStager`` and ``FileSystemWriter``, exactly the code shown above.
+# The four broken loops of the hazards, with nothing deciding the race: the
+# plain ``DefaultStager`` and ``FileSystemWriter``, exactly the code shown
+# above. (The stream race, which needs a GPU, is left out: how often it hits
+# depends on how far your GPU runs behind the host, which this page's small
+# model says nothing about.)
 # What these runs count is luck and timing on the machine that built this page
 # (named at the top) with this small model, so the cell also measures the
 # durations that decide the races: a training step, how long the copy was
