@@ -855,12 +855,13 @@ SUMMARY = (
 #
 # Read the two numbers together. Taking the copy off the training thread
 # shortens what the loop blocks on, but the copy still has to run somewhere.
-# On a GPU machine it runs on the GPU's copy engine into pinned memory while
-# the GPU computes, and the host has cores to spare. On this page's CPU
-# machine the copy, the upload and training share two cores and one memory
-# bus, so a step that runs beside a copy runs slower, and the whole loop may
-# gain nothing at all: the copy's cost moves off the training thread, but it
-# does not go away.
+# On a GPU it is a device-to-host copy into pinned memory on the stager's
+# stream, beside the compute kernels on yours (the trace lines above count
+# both, when the page is built on a GPU), and the host's cores stay free for
+# the upload. On a CPU-only machine the copy, the upload and training share
+# the same cores and memory bus, so a step that runs beside a copy runs
+# slower, and the whole loop may gain nothing at all: the copy's cost moves
+# off the training thread, but it does not go away.
 
 
 # %%

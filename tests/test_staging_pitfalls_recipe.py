@@ -81,6 +81,13 @@ def assert_stream_race_explained(output: str) -> None:
         output,
         re.MULTILINE,
     ), "the stream race's outcome on this machine is not printed"
+    assert re.search(
+        r"^staging_pitfalls_recipe: stream race on cpu: 0 of 5 checkpoints torn without the "
+        r"synchronisation, 0 of 5 with it; from before the step: 0 of 4 weights and biases, "
+        r"0 of 8 Adam's moments, 0 of 4 Adam's step counters$",
+        output,
+        re.MULTILINE,
+    ), "no summary line for make gpu-check"
 
 
 def assert_honest_trials_reported(output: str) -> None:
