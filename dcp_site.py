@@ -336,8 +336,23 @@ def _copy_theme_webfonts(app: Sphinx, exception: Exception | None) -> None:
         shutil.copytree(vendored, static / "webfonts", dirs_exist_ok=True)
 
 
+def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
+    """``env-get-outdated``: read every recipe page again, so that its run stamp is this build's.
+
+    Sphinx keeps a page's doctree while its reST is unchanged, and Sphinx-Gallery leaves an
+    unchanged recipe's reST alone: a page last read by ``make html-noplot`` would go on
+    saying "Not executed" after a ``make html`` that had no reason to run it again.
+    """
+    return [
+        f"{GALLERY_DIR}/{stem}"
+        for stem in recipe_names(app.confdir)
+        if Path(app.srcdir, GALLERY_DIR, f"{stem}.rst").exists()
+    ]
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
+    app.connect("env-get-outdated", reread_recipe_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)

@@ -30,7 +30,8 @@ as noise, never as advice.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``)
+       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
+         not 2.11.0, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_async_save_recipe.py` and
          :ref:`sphx_glr_recipes_default_stager_recipe.py`

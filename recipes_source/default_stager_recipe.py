@@ -33,7 +33,8 @@ checkpoint holds the state of its step, bit for bit.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later
+       * PyTorch 2.9 or later, but not 2.11.0, whose ``DefaultStager`` cannot be reused
+         (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_async_save_recipe.py`: ``async_save``, a
          process group for checkpointing, one save in flight
@@ -372,7 +373,10 @@ class Timeline:
             self.profiler = torch.profiler.profile(
                 activities=activities, experimental_config=every_thread
             )
-            self.profiler.start()
+            with warnings.catch_warnings():
+                # torch 2.11 warns that it clears the events at each cycle's end: one here.
+                warnings.filterwarnings("ignore", "Warning: Profiler clears events")
+                self.profiler.start()
             if stager is not None:
                 stager._stage = in_a_profiler_range("DefaultStager: copy to host", stager._stage)
 

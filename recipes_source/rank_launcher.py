@@ -57,6 +57,12 @@ STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # set by the site build: where run stam
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_TIMEOUT_S = 300.0
 
+# torch.cuda.is_available() (and torch.accelerator.is_available()) otherwise ask the CUDA
+# runtime, which initialises the driver in the launching process: every rank forked after
+# that fails at its first CUDA call. With this set they ask NVML, which is safe to fork
+# after; torch reads it at every call, so the recipe's own checks are safe too.
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+
 
 class RankFailedError(RuntimeError):
     """A rank raised, crashed or ran past the launch deadline."""
@@ -88,7 +94,7 @@ def _world_size() -> int:
 
 
 def _use_gpus() -> bool:
-    """True when ranks should run on GPUs; never initialises CUDA."""
+    """True when ranks should run on GPUs; never initialises CUDA (NVML answers)."""
     return torch.cuda.is_available()
 
 

@@ -30,7 +30,9 @@ a different number of ranks and shows what that does to the data position.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``)
+       * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``); not
+         torch 2.11.0, whose ``DefaultStager`` cannot be reused
+         (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: the rules of an
          overlapped save
@@ -454,7 +456,8 @@ def load_checkpoint(state, path):
 
 # sphinx_gallery_start_ignore
 # Page-only: the crashes. CRASH is (where, step, rank): the rank kills itself
-# with SIGKILL at that point of that step. Nothing else changes in the loop.
+# with SIGKILL at that point of that step (rank -1: the last rank, rank 1 of two,
+# rank 0 of one). Nothing else changes in the loop.
 CRASH = None
 CRASH_ENV = "RESUME_RECIPE_CRASH"  # "where:step:rank", read by this file under torchrun
 KILL_AFTER_BYTES = 64 * 1024  # the upload dies this far into the rank's .distcp file
@@ -472,7 +475,9 @@ def crash_plan():
 
 def crashes_here(where, step):
     plan = crash_plan()
-    return plan is not None and plan[:2] == (where, step) and dist.get_rank() == plan[2]
+    if plan is None or plan[:2] != (where, step):
+        return False
+    return dist.get_rank() == plan[2] % dist.get_world_size()
 
 
 def sigkill_me():
@@ -800,14 +805,15 @@ print(f"{len(uninterrupted[0]['losses'])} steps, final loss {uninterrupted[0]['l
 # %%
 # Crash in the middle of an upload
 # --------------------------------
-# The same run, but rank 1 is killed with ``SIGKILL`` while it writes its file
-# of the checkpoint at step 40: it dies after 64 KiB of it, in the middle of
-# the upload, before rank 0 could write ``.metadata``. (The page arms the kill
-# in lines it does not show: a ``FileSystem`` whose stream kills the process
-# at that byte.) The launch fails, as a job whose rank was killed does.
+# The same run, but the last rank (rank 1 of two) is killed with ``SIGKILL``
+# while it writes its file of the checkpoint at step 40: it dies after 64 KiB
+# of it, in the middle of the upload, before rank 0 could write ``.metadata``.
+# (The page arms the kill in lines it does not show: a ``FileSystem`` whose
+# stream kills the process at that byte.) The launch fails, as a job whose
+# rank was killed does.
 
 # sphinx_gallery_start_ignore
-CRASH = ("upload", 40, 1) if not under_torchrun() else None
+CRASH = ("upload", 40, -1) if not under_torchrun() else None
 # sphinx_gallery_end_ignore
 upload_root = new_root("crash-in-upload")
 try:
@@ -823,8 +829,8 @@ CRASH = None
 
 
 # %%
-# What the crash left behind: step 40 is torn (rank 1's file cut short, no
-# ``.metadata``); steps 20 and 30 are complete. Clean-up removed step 10
+# What the crash left behind: step 40 is torn (the last rank's file cut
+# short, no ``.metadata``); steps 20 and 30 are complete. Clean-up removed step 10
 # (keep 2) only once step 30 was complete.
 
 
@@ -893,16 +899,16 @@ upload_resumed_from = compare_with_uninterrupted(resumed_after_upload, "crash in
 # %%
 # Crash during staging, and between saves
 # ---------------------------------------
-# Two more kill points, each followed by a restart. During staging, rank 1
-# dies while the stager copies the state of step 40 to host memory: no file of
-# step 40 exists yet. Between saves, rank 1 dies at step 45, after step 40 was
+# Two more kill points, each followed by a restart. During staging, the last
+# rank dies while the stager copies the state of step 40 to host memory: no
+# file of step 40 exists yet. Between saves, it dies at step 45, after step 40 was
 # complete: the restart goes on from step 40, and steps 41 to 45 run again.
 # If the launcher stops rank 0 while it deletes an old checkpoint, that one
 # shows up torn as well: clean-up removes ``.metadata`` first, so a deletion
 # cut short never leaves a directory that looks complete.
 
 # sphinx_gallery_start_ignore
-CRASH = ("staging", 40, 1) if not under_torchrun() else None
+CRASH = ("staging", 40, -1) if not under_torchrun() else None
 # sphinx_gallery_end_ignore
 staging_root = new_root("crash-in-staging")
 try:
@@ -919,7 +925,7 @@ show_checkpoints(staging_root)
 resumed_after_staging = run_on_ranks(train, staging_root)
 
 # sphinx_gallery_start_ignore
-CRASH = ("between saves", 45, 1) if not under_torchrun() else None
+CRASH = ("between saves", 45, -1) if not under_torchrun() else None
 # sphinx_gallery_end_ignore
 between_root = new_root("crash-between-saves")
 try:
@@ -958,7 +964,7 @@ if under_torchrun() or not script.endswith(".py") or "ipykernel" in script:
 else:
     env = dict(os.environ, **{CHECKPOINTS_ENV: torchrun_root}, OMP_NUM_THREADS="1")
     # sphinx_gallery_start_ignore
-    env[CRASH_ENV] = "upload:40:1"
+    env[CRASH_ENV] = "upload:40:-1"
     # sphinx_gallery_end_ignore
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={len(uninterrupted)}", "--max-restarts=1", script]
@@ -1069,7 +1075,7 @@ for attempt, (marker, color, size, label) in reversed(list(zip(attempts, styles,
     axis.plot(*zip(*attempt, strict=True), marker, ms=size, lw=1, color=color, label=label)
 axis.axvline(40, color="tab:red", ls="--")
 axis.annotate(
-    "rank 1 killed in\nthe upload of step 40",
+    "last rank killed in\nthe upload of step 40",
     (40, 0.95),
     xycoords=("data", "axes fraction"),
     ha="right",
@@ -1104,15 +1110,27 @@ figure.tight_layout()
 # depend on the number of ranks. A job stopped after step 30 on 2 ranks goes on
 # on 3 ranks to step 40, then on 1 rank to the end. The page's launcher starts
 # as many ranks as ``DCP_RECIPES_WORLD_SIZE`` says, read at each launch (under
-# torchrun, start torchrun with ``--nproc-per-node`` instead).
+# torchrun, start torchrun with ``--nproc-per-node`` instead). It starts one
+# rank per GPU, so on a machine with fewer than 3 GPUs this cell hides them
+# (``CUDA_VISIBLE_DEVICES=""``) and reshards on CPU ranks: resharding is
+# DCP's planning, the same on any device.
 
 reshard_root = new_root("reshard")
 launches = {}
+environment = {
+    name: os.environ.get(name) for name in ("DCP_RECIPES_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
+}
+if 0 < torch.cuda.device_count() < 3:  # one GPU per rank: on fewer, reshard on CPU ranks
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 for ranks, steps in ((2, 30), (3, 40), (1, 60)):
     os.environ["DCP_RECIPES_WORLD_SIZE"] = str(ranks)
     launches[ranks] = run_on_ranks(train, reshard_root, steps)
     print(f"{len(launches[ranks])} rank(s) trained to step {steps}")
-os.environ.pop("DCP_RECIPES_WORLD_SIZE")
+for name, value in environment.items():  # back to what it was before this cell
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 # sphinx_gallery_start_ignore
 chain = list(launches.values())

@@ -29,7 +29,8 @@ this machine at this size: rerun it on yours.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``)
+       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
+         not 2.11.0, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py` and
          :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`

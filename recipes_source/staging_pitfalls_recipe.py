@@ -28,7 +28,8 @@ into its checkpoints, and proves each fix bit for bit.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later
+       * PyTorch 2.9 or later, but not 2.11.0, whose ``DefaultStager`` cannot be reused
+         (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: ``DefaultStager``,
          ``StagingOptions`` and the loop this page takes apart
@@ -285,14 +286,21 @@ class HeldStager(AsyncStager):
             torch.cuda._sleep(10**9)  # a spin kernel of 1e9 GPU clock cycles
 
     def warm_up(self, state):
-        """Stage once before the loop: every save in it reuses the stager's buffers.
+        """Before the loop, once: whatever a save would otherwise allocate or create.
 
-        The first save of a stager registers its pinned buffers, and that can make CUDA
-        wait for the device; the saves after it copy with no such wait, as in a long run.
+        The stager's buffers (the first save of a stager registers them, and registering can
+        make CUDA wait for the device), the checkpoint group, and device memory for the
+        snapshots (a new allocation from CUDA can wait for the device too). The saves in
+        the loop then wait for nothing, as at every save of a long run but the first.
         """
         staged = self.stager.stage(state)
         if isinstance(staged, Future):
             staged.result()
+        checkpoint_group()
+        if torch.cuda.is_available():
+            snapshots = [copy.deepcopy(state) for _ in range(SAVES + 1)]
+            del snapshots  # the caching allocator keeps the memory for the real snapshots
+            torch.cuda.synchronize()
 
     def let_writes_start(self, keep=None):
         """Let every held upload write, except the one of checkpoint ``keep``."""

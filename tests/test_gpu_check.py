@@ -27,6 +27,8 @@ FAILING = FIXTURES / "failing_recipe.py"
 MISSING = FIXTURES / "missing_module_recipe.py"
 HANGING = FIXTURES / "hanging_recipe.py"
 STRAY = FIXTURES / "stray_process_recipe.py"
+REUSED_STAGER = FIXTURES / "reused_stager_recipe.py"
+TORCH_2_11_STAGER = FIXTURES / "torch_2_11_stager"  # a sitecustomize: torch 2.11's bug, here
 
 sys.path.insert(0, str(TOOL.parent))
 import gpu_check  # noqa: E402
@@ -247,6 +249,7 @@ def test_dry_run_summary_says_where_it_ran_and_that_it_was_no_gpu_check(dry_run)
     assert summary["gpus"] == []
     for key in ("started", "finished", "host", "python_version", "cuda", "gpu_info_from"):
         assert key in summary
+    assert summary["torch_backports"] == [], "this torch reuses a DefaultStager: no backport"
     assert "this was NOT a GPU check" in result.stdout
 
 
@@ -388,3 +391,38 @@ def test_on_a_gpu_machine_the_summary_names_the_gpus_and_one_rank_each(
     assert summary["world_size"] == 2
     assert [r["status"] for r in summary["recipes"]] == ["fail", "skipped"]
     assert "NOT a GPU check" not in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------
+# A torch that cannot reuse a DefaultStager (2.11): the recipes run with the backport
+# --------------------------------------------------------------------------
+
+
+def test_a_torch_that_cannot_reuse_a_stager_gets_the_backport_and_says_so(tmp_path):
+    bug = {"PYTHONPATH": str(TORCH_2_11_STAGER)}
+    plain = subprocess.run(
+        [sys.executable, str(REUSED_STAGER)],
+        env=dict(os.environ, **bug),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode != 0, "the fixture reproduces torch 2.11's bug"
+    assert "KeyError: <class 'type'>" in plain.stderr
+
+    out = tmp_path / "gpu-check"
+    result = run_tool("--allow-cpu", "--recipes", str(REUSED_STAGER), "--out", str(out), **bug)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    expected = (
+        "tools/torch_backports: a reused DefaultStager keeps its buffers (torch "
+        f"{torch.__version__} frees them after every copy, and its next stage raised "
+        "KeyError: <class 'type'>)"
+    )
+    assert summary["torch_backports"] == [expected]
+    assert f"gpu-check: with a backport, {expected}" in result.stdout
+    (recipe,) = summary["recipes"]
+    assert recipe["status"] == "pass"
+    assert recipe["summary_lines"] == [
+        "reused_stager_recipe: staged 3 times with one DefaultStager"
+    ]

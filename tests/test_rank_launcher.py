@@ -65,6 +65,23 @@ def test_default_world_size_is_one_rank_per_gpu(monkeypatch, gpus, expected):
     assert rank_launcher._world_size() == expected
 
 
+def test_looking_for_gpus_never_initialises_cuda_in_the_launching_process(monkeypatch):
+    """On a CUDA build, the CUDA runtime's device count would break every rank forked after it.
+
+    Simulated here (a CPU build has no CUDA): the runtime's count fails the test, NVML's says 2.
+    """
+
+    def cuda_runtime_device_count():
+        raise AssertionError("cudaGetDeviceCount ran in the launching process: forks would fail")
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_runtime_device_count, raising=False)
+    monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
+    assert rank_launcher._use_gpus() is True
+    assert torch.cuda.is_available() is True, "a recipe's own check, after the launcher's import"
+
+
 def test_spawned_helper_processes_do_not_run_the_recipe_again(recipe_runner):
     output = recipe_runner.script(SCRIPTS / "spawning_rank.py", timeout=120)
     text = output.stdout + output.stderr

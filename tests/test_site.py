@@ -30,7 +30,13 @@ from recipe_runner import (
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 
-from dcp_site import ARTIFACTS, LAUNCHER_IMPORT, launcher_code, standalone_script
+from dcp_site import (
+    ARTIFACTS,
+    LAUNCHER_IMPORT,
+    launcher_code,
+    reread_recipe_pages,
+    standalone_script,
+)
 
 RECIPE_SOURCES = [RECIPES / f"{name}.py" for name in RECIPE_NAMES]
 FIXTURES = Path(__file__).parent / "site_fixtures"
@@ -117,6 +123,17 @@ def test_each_printing_cell_has_its_output_under_it(site, name):
 def test_captured_output_shows_no_traceback_or_stray_warning(site, name):
     for out in page(site, name).select("div.sphx-glr-script-out"):
         assert_no_traceback(out.get_text())
+
+
+def test_every_build_reads_every_recipe_page_again(site):
+    """Its run stamp is this build's, also after a ``make html-noplot`` of an unchanged recipe.
+
+    Sphinx would keep the doctree (and its "Not executed" stamp) of an unchanged page.
+    """
+    app = type("App", (), {"confdir": str(ROOT), "srcdir": str(ROOT)})
+    assert reread_recipe_pages(app, None, set(), set(), set()) == [
+        f"recipes/{name}" for name in RECIPE_NAMES
+    ]
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)

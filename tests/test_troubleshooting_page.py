@@ -34,7 +34,7 @@ QUOTED = {
     "differs-load-rank0-path",
     "differs-load-own-path",
 }
-INLINE_QUOTED = {"default-stager-on-cpu", "cached-stager-on-cpu"}
+INLINE_QUOTED = {"default-stager-on-cpu", "cached-stager-on-cpu", "reused-stager-torch-2.11"}
 
 
 class Run:
@@ -154,3 +154,10 @@ def test_pattern_helper():
     assert matches("a ... c", "a bb c") and not matches("a ... c", "a b\nb c")
     assert matches("x\n...\nz", "x\n1\n2\nz") and matches("x\n...\nz", "x\n\nz")
     assert not matches("a.c", "abc"), "a quote's own dots are literal"
+
+
+def test_a_reused_stager_on_torch_2_11_fails_at_its_second_save(run):
+    for rank in (0, 1):
+        assert run.facts[f"reused stager save 0 rank{rank}"] == "complete"
+        assert f"reused stager save 1 rank{rank}" not in run.facts
+    assert "torch 2.11.0" in prose() and "a `DefaultStager` per save" in prose()

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from rank_launcher import run_on_ranks, shared_tempdir  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
 WORK_DIR = shared_tempdir("dcp-troubleshooting-")
 
@@ -185,6 +185,39 @@ def replicated_directory_differs():
     fact(f"replicated loads from rank 0's path rank{rank}", int(loaded["step"]))
 
 
+def reused_stager_on_torch_2_11():
+    """A DefaultStager reused for a second save, on torch 2.11 (simulated on this torch).
+
+    torch 2.11.0's ``DefaultStager._stage`` differs from 2.13.0's by one line, which closes
+    the stager's ``StateDictStager`` after every copy; ``stage_then_close`` adds it back.
+    """
+    rank = dist.get_rank()
+    stage = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()  # the line torch 2.11.0 has
+        return staged
+
+    DefaultStager._stage = stage_then_close
+    try:
+        stager = DefaultStager(StagingOptions(False, False, True, False))
+        for save in range(2):
+            response = dcp.async_save(
+                state(rank),
+                checkpoint_id=os.path.join(WORK_DIR, f"reused-stager-{save}"),
+                async_stager=stager,
+            )
+            try:
+                response.upload_completion.result()
+                fact(f"reused stager save {save} rank{rank}", "complete")
+            except KeyError as error:
+                quote("reused-stager-torch-2.11", error)
+        stager.close()
+    finally:
+        DefaultStager._stage = stage
+
+
 def every_failure():
     logging.disable(logging.WARNING)  # DCP logs each failed metadata read with its traceback
     cpu_backend_missing()
@@ -194,6 +227,7 @@ def every_failure():
     without_collectives()
     directory_differs()
     replicated_directory_differs()
+    reused_stager_on_torch_2_11()
 
 
 run_on_ranks(every_failure)

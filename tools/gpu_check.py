@@ -21,6 +21,10 @@ tests check the world-size rule on a machine without GPUs.
 ``--budget S`` the whole run (recipes after it is spent are reported, not run),
 ``--fail-on-skip`` fails a recipe skipped for a missing module (CI, where all are installed).
 
+Where the torch under test cannot reuse a ``DefaultStager`` (torch 2.11 raises at a
+reused stager's second save, a bug 2.13 does not have), the recipes run with the
+backport in ``tools/torch_backports/``, and the summary and the first lines say so.
+
 Exit status: 0 every selected recipe passed or was skipped; 1 a recipe failed;
 2 nothing ran (no GPU, too many ranks, no torch, an unknown recipe).
 """
@@ -77,6 +81,22 @@ if torch.cuda.is_available():
         pass
 print(json.dumps(info))
 """
+
+
+# Whether a DefaultStager can be reused, as every recipe's loop does (CPU only, no CUDA).
+_STAGER_REUSE_PROBE = r"""
+import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+stager = DefaultStager(StagingOptions(False, False, False, False))
+try:
+    for _ in range(2):
+        stager.stage({"t": torch.zeros(1), "step": 1})
+    print("reuse works")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+stager.close()
+"""
+BACKPORTS_DIR = ROOT / "tools" / "torch_backports"
 
 
 class GpuCheckError(Exception):
@@ -138,6 +158,44 @@ def probe_torch(python: str) -> dict:
             "e.g. make gpu-check PY=/usr/bin/python3"
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def stager_reuse(python: str, pythonpath: tuple[Path, ...] = ()) -> str:
+    """``reuse works``, or the error a reused DefaultStager raises at its second stage."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    done = subprocess.run(
+        [python, "-c", _STAGER_REUSE_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
+    lines = (done.stdout.strip() or done.stderr.strip() or "no output").splitlines()
+    return lines[-1]
+
+
+def torch_backports(python: str, torch_version: str) -> list[str]:
+    """The backports the recipes need on this torch: a reused DefaultStager must work.
+
+    torch 2.11 raises ``KeyError: <class 'type'>`` at a reused stager's second stage
+    (see ``tools/torch_backports/sitecustomize.py``). Anything else is left to fail.
+    """
+    broken = stager_reuse(python)
+    if broken == "reuse works" or not broken.startswith("KeyError"):
+        return []
+    if stager_reuse(python, (BACKPORTS_DIR,)) != "reuse works":
+        raise GpuCheckError(
+            f"torch {torch_version}: a reused DefaultStager raises at its second stage "
+            f"({broken}), and tools/torch_backports does not fix it on this torch"
+        )
+    return [
+        f"{_shown(BACKPORTS_DIR)}: a reused DefaultStager keeps its buffers (torch "
+        f"{torch_version} frees them after every copy, and its next stage raised {broken})"
+    ]
 
 
 def gpu_descriptions(probe: dict) -> tuple[list[dict], str]:
@@ -307,6 +365,7 @@ def run_recipe(
     out_dir: Path,
     dry_run: bool,
     timeout_flag: str = "--timeout",
+    backports: bool = False,
 ) -> dict:
     """Run one recipe as a plain script; its output goes to ``out_dir/<stem>.log``.
 
@@ -341,7 +400,9 @@ def run_recipe(
             "MPLBACKEND": "Agg",
             "TMPDIR": str(tmp),
             "PYTHONPATH": os.pathsep.join(
-                [str(RECIPES_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+                ([str(BACKPORTS_DIR)] if backports else [])
+                + [str(RECIPES_DIR)]
+                + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
             ),
         }
     )
@@ -525,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                     "this is not a GPU check"
                 )
             world_size = plan_world_size(probe["gpus"], requested)
+        backports = torch_backports(python, probe["torch"])
     except GpuCheckError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
@@ -547,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": python,
         "python_version": platform.python_version(),
         "torch": probe["torch"],
+        "torch_backports": backports,
         "cuda": probe["cuda"],
         "gpus": gpus,
         "gpu_info_from": driver_source,
@@ -565,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         f"output in {_shown(out_dir)}",
         flush=True,
     )
+    for backport in backports:
+        print(f"gpu-check: with a backport, {backport}", flush=True)
     results = summary["recipes"]
     started = time.monotonic()
     for index, path in enumerate(recipes, 1):
@@ -577,7 +642,14 @@ def main(argv: list[str] | None = None) -> int:
             if left is not None and left < timeout:
                 timeout, flag = round(left, 1), "--budget"
             result = run_recipe(
-                python, path, world_size, timeout, out_dir, args.allow_cpu, timeout_flag=flag
+                python,
+                path,
+                world_size,
+                timeout,
+                out_dir,
+                args.allow_cpu,
+                timeout_flag=flag,
+                backports=bool(backports),
             )
         if args.fail_on_skip and result["status"] == "skipped":
             result["status"] = "fail"
