@@ -2,8 +2,9 @@
 
 Cost: three runs of the recipe. The 2-rank run does everything the page shows (three
 crashes and restarts with the gallery launcher, one under ``torchrun --max-restarts=1``,
-the restart-count measurement, resharding 2 -> 3 -> 1, bad input); the 3-rank run and
-the torchrun run skip the restart measurement. Most tests read the 2-rank run's output.
+the restart-count measurement, resharding 2 -> 3 -> 1, bad input); the 1-rank run (what
+``make gpu-check`` runs on a machine with one GPU: the rank killed is rank 0) and the
+torchrun run skip the restart measurement. Most tests read the 2-rank run's output.
 """
 
 from __future__ import annotations
@@ -151,13 +152,19 @@ def test_two_ranks_leave_nothing_behind(two_ranks):
     assert checkpoint_files_in_repo() == []
 
 
-def test_recipe_with_three_ranks(recipe_runner):
-    result = recipe_runner.python(RECIPE, world_size=3, RESUME_RECIPE_PROBE_RESTARTS="0")
+def test_recipe_on_one_rank(recipe_runner):
+    result = recipe_runner.python(RECIPE, world_size=1, RESUME_RECIPE_PROBE_RESTARTS="0")
     output = assert_ok(result)
     checks = {m["what"].strip(): m for m in RESUME_CHECK.finditer(output)}
-    assert set(KILL_POINTS) <= set(checks)
-    assert all(int(m["differ"]) == 0 and int(m["lossdiff"]) == 0 for m in checks.values())
-    assert "[rank2] saved on 2 ranks, running on 3" in output
+    expected = {**KILL_POINTS, "torchrun --max-restarts=1": (None, 30)}
+    assert set(checks) == set(expected), output[-4000:]
+    for what, (kill_line, start) in expected.items():
+        assert int(checks[what]["start"]) == start, what
+        assert int(checks[what]["differ"]) == 0 and int(checks[what]["lossdiff"]) == 0, what
+        if kill_line:
+            assert kill_line in output, f"{what}: rank 0, the last rank, was not killed"
+    assert "[rank0] attempt 1 resumed from step 30" in output
+    assert "[rank2] saved on 2 ranks, running on 3" in output  # the cell sets its own sizes
     assert "saved on 3, loaded on 1" in output and "each exactly once: True" in output
     assert recipe_runner.leftovers() == []
 
