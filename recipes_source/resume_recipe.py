@@ -1120,8 +1120,8 @@ launches = {}
 environment = {
     name: os.environ.get(name) for name in ("DCP_RECIPES_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")
 }
-if 0 < torch.cuda.device_count() < 3:  # one GPU per rank: on fewer, reshard on CPU ranks
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+if not under_torchrun() and 0 < torch.cuda.device_count() < 3:  # one GPU per rank
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # fewer than 3 GPUs: reshard on CPU ranks
 for ranks, steps in ((2, 30), (3, 40), (1, 60)):
     os.environ["DCP_RECIPES_WORLD_SIZE"] = str(ranks)
     launches[ranks] = run_on_ranks(train, reshard_root, steps)
