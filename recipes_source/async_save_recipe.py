@@ -167,16 +167,6 @@ def train_step(model, optimizer):
 # the live optimizer, so a run that saves before it trains takes its first
 # real step as Adam's step 2 (with that step's bias correction).
 
-model = ToyModel()
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
-saved_step = optimizer_state_dict["state"]["layers.0.weight"]["step"]
-live_step = optimizer.state[model.layers[0].weight]["step"]
-print(
-    f"Adam's step before any training: {saved_step.item():.0f} in the state dict,"
-    f" {live_step.item():.0f} in the live optimizer"
-)
-
 # sphinx_gallery_start_ignore
 
 
@@ -192,11 +182,28 @@ def nbytes(state_dict):
     return total
 
 
-parameters = sum(p.numel() for p in model.parameters())
-checkpoint_mb = (nbytes(model_state_dict) + nbytes(optimizer_state_dict)) / 1e6
-print(f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 1e6:.1f} MB of fp32 weights)")
-print(f"a checkpoint, with Adam's state: {checkpoint_mb:.1f} MB")
 # sphinx_gallery_end_ignore
+
+
+def adam_before_training():
+    model = ToyModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer)
+    saved_step = optimizer_state_dict["state"]["layers.0.weight"]["step"]
+    live_step = optimizer.state[model.layers[0].weight]["step"]
+    print(
+        f"Adam's step before any training: {saved_step.item():.0f} in the state dict,"
+        f" {live_step.item():.0f} in the live optimizer"
+    )
+    # sphinx_gallery_start_ignore
+    parameters = sum(p.numel() for p in model.parameters())
+    checkpoint_mb = (nbytes(model_state_dict) + nbytes(optimizer_state_dict)) / 1e6
+    print(f"{parameters / 1e6:.1f} M parameters ({parameters * 4 / 1e6:.1f} MB of fp32 weights)")
+    print(f"a checkpoint, with Adam's state: {checkpoint_mb:.1f} MB")
+    # sphinx_gallery_end_ignore
+
+
+run_on_one_process(adam_before_training)
 
 
 # %%
@@ -598,7 +605,10 @@ else:
 #   optimizer, launching kernels) waits for them; a process has its own
 #   interpreter.
 # * **What it costs**: a process per rank, with its own copy of torch in
-#   memory, started by the first save and kept until the trainer exits. It is
+#   memory, started by the first save and kept until the trainer exits. On a
+#   GPU machine it starts CUDA too (``FileSystemWriter`` asks for a stream
+#   when CUDA is available): its resident memory, printed below, then
+#   includes a CUDA context. It is
 #   spawned, so a training script keeps its top-level code under
 #   ``if __name__ == "__main__":``. The first upload takes seconds longer.
 # * **Its own process group.** The checkpoint processes build a gloo world of
@@ -690,7 +700,9 @@ def tensors_of(state_dict):
 
 def hand_over_unshared_tensors(checkpoint_root):
     """Save once more through the checkpoint process, staged without shared memory."""
-    options = staging_options()  # use_shared_memory=False
+    # Every option off: the point is shared memory. (Pinned, the handover would move the
+    # storage and free the registered buffer without unregistering it.)
+    options = StagingOptions(False, False, False, False)
     stager = RecordingStager(options)
     state_dict = {"weights": torch.rand(256, 1024)}
     upload = dcp.async_save(

@@ -1012,6 +1012,8 @@ def save_twice(checkpoint_root, fresh_tensors):
         state = model.state_dict()
         if fresh_tensors:
             state = {name: tensor.clone() for name, tensor in state.items()}
+        if torch.accelerator.is_available():
+            torch.accelerator.current_stream().synchronize()  # rule 4: the clones are done
         response = dcp.async_save(
             {"model": state},
             checkpoint_id=os.path.join(checkpoint_root, f"save-{save}"),

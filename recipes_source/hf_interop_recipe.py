@@ -474,11 +474,13 @@ if not dist.is_initialized():  # under torchrun transformers would load it colle
     assert on_gpu() or torch.equal(unconsolidated_logits, kept("sharded_logits"))
 first_shard = sorted(f for f in os.listdir(no_consolidation) if f.startswith("shard-"))[0]
 embedding = load_file(os.path.join(no_consolidation, first_shard))["model.embed_tokens.weight"]
+whole = (CONFIG.vocab_size, CONFIG.hidden_size)
+rows = "only one rank's rows" if tuple(embedding.shape) != whole else "whole: one rank saved it"
 print(
     "(checked: transformers 5 also opens the folder saved without consolidation, through DCP, "
     f"with the same logits; but {first_shard} holds model.embed_tokens.weight as "
-    f"{tuple(embedding.shape)} of {(CONFIG.vocab_size, CONFIG.hidden_size)}, only one rank's "
-    "rows, so any other reader of safetensors files needs the consolidated export)"
+    f"{tuple(embedding.shape)} of {whole}, {rows}; with more ranks each file holds one "
+    "rank's rows, so any other reader of safetensors files needs the consolidated export)"
 )
 # sphinx_gallery_end_ignore
 

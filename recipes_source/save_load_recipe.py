@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir
+from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -385,7 +385,25 @@ def save_and_load_where_ranks_disagree(work_dir):
     logging.disable(logging.NOTSET)
 
 
+# sphinx_gallery_start_ignore
+# One rank cannot disagree with itself: where this launch would have one rank (one GPU,
+# or DCP_RECIPES_WORLD_SIZE=1), the page shows the failure on two CPU ranks instead.
+world_size_env = "DCP_RECIPES_WORLD_SIZE"
+launch_environment = {
+    name: os.environ.get(name) for name in (world_size_env, "CUDA_VISIBLE_DEVICES")
+}
+ranks_here = int(os.environ.get(world_size_env) or torch.cuda.device_count() or 2)
+if not under_torchrun() and ranks_here == 1:
+    os.environ.update({world_size_env: "2", "CUDA_VISIBLE_DEVICES": ""})
+# sphinx_gallery_end_ignore
 run_on_ranks(save_and_load_where_ranks_disagree, WORK_DIR)
+# sphinx_gallery_start_ignore
+for name, value in launch_environment.items():
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+# sphinx_gallery_end_ignore
 
 
 # %%

@@ -81,6 +81,11 @@ def test_recipe_with_gallery_launcher(recipe_runner, tmp_path, world_size):
         )
     )
     assert_recipe_checks_passed(output, world_size)
+    # Saved without consolidation, a file holds one rank's rows (all of them, at one rank).
+    rows = "whole: one rank saved it" if world_size == 1 else "only one rank's rows"
+    assert re.search(
+        rf"holds model\.embed_tokens\.weight as \(\d+, 256\) of \(\d+, 256\), {rows};", output
+    )
 
     # Each rank asked the reader for its own shards only: together, the model once.
     read = tensor_bytes_read(output)

@@ -43,7 +43,7 @@ def test_recipe_with_gallery_launcher(recipe_runner, world_size):
     assert_recipe_checks_passed(output)
     shards = re.findall(r"^__(\d+)_0\.distcp", output, re.MULTILINE)
     assert len(shards) == world_size, "one .distcp file per rank"
-    if world_size == 2:
+    if world_size <= 2:  # one rank cannot disagree with itself: the page uses two CPU ranks
         assert_disagreeing_directories_fail_as_shown(output)
     assert f"[rank{world_size - 1}] step 3: loss" in output
     assert_no_traceback(output)
