@@ -160,12 +160,16 @@ def probe_torch(python: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _pythonpath(env: dict, *first: Path) -> str:
+    """PYTHONPATH with ``first`` ahead of what ``env`` already has there."""
+    return os.pathsep.join(
+        [str(p) for p in first] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+
+
 def stager_reuse(python: str, pythonpath: tuple[Path, ...] = ()) -> str:
     """``reuse works``, or the error a reused DefaultStager raises at its second stage."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
+    env = dict(os.environ, PYTHONPATH=_pythonpath(os.environ, *pythonpath))
     done = subprocess.run(
         [python, "-c", _STAGER_REUSE_PROBE],
         capture_output=True,
@@ -399,11 +403,7 @@ def run_recipe(
             "PYTHONUNBUFFERED": "1",
             "MPLBACKEND": "Agg",
             "TMPDIR": str(tmp),
-            "PYTHONPATH": os.pathsep.join(
-                ([str(BACKPORTS_DIR)] if backports else [])
-                + [str(RECIPES_DIR)]
-                + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-            ),
+            "PYTHONPATH": _pythonpath(env, *([BACKPORTS_DIR] if backports else []), RECIPES_DIR),
         }
     )
     if dry_run:
