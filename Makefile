@@ -17,7 +17,7 @@ WHEELS      := $(wildcard /opt/wheels)
 SYSTEM_PATH := $(PATH)
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv html html-noplot test lint pytest serve bench gpu-check clean browser-deps
+.PHONY: help venv html html-noplot test lint pytest serve bench stress gpu-check clean browser-deps
 
 help:
 	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
@@ -26,6 +26,7 @@ help:
 	@echo "make lint         lintrunner --all-files"
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
 	@echo "make bench        the benchmark recipes at full size (about 1 GB), into $(BUILD)/bench"
+	@echo "make stress       every page's script and notebook at 3 ranks, the HF page 30 times"
 	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"
 	@echo "make clean        remove build output"
 	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
@@ -72,6 +73,12 @@ serve: $(READY)
 bench: $(READY)
 	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
 	DCP_RECIPES_BENCH=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/save_load_speed_recipe.py
+
+# Not part of `make test` (about 20 minutes here): launches counted for hangs. It runs the
+# downloads of the site in $(BUILD)/html, built without executing anything if there is none.
+stress: $(READY)
+	@test -f $(BUILD)/html/index.html || $(MAKE) html-noplot
+	$(PY) tools/stress.py $(STRESS_ARGS)
 
 # Every recipe as a plain script, one rank per GPU (DCP_RECIPES_WORLD_SIZE=N for fewer), into
 # $(BUILD)/gpu-check/. It needs torch, not Sphinx, and never builds the venv: it runs with PY

@@ -245,7 +245,12 @@ def _cell(cell_type: str, text: str) -> dict:
     return cell
 
 
-def standalone_notebook(notebook: dict, launcher_source: str) -> dict:
+def notebook_launcher_cell(launcher_source: str, stem: str) -> str:
+    """The launcher as a notebook's cell, naming the recipe: a kernel has no script name."""
+    return launcher_code(launcher_source) + f'os.environ.setdefault(RECIPE_ENV, "{stem}")\n'
+
+
+def standalone_notebook(notebook: dict, launcher_source: str, stem: str) -> dict:
     """A recipe notebook with the launcher in a cell of its own, in place of the import."""
     notebook = copy.deepcopy(notebook)
     cells = notebook["cells"]
@@ -260,7 +265,8 @@ def standalone_notebook(notebook: dict, launcher_source: str) -> dict:
         text = LAUNCHER_IMPORT.sub("", "".join(cells[i]["source"]), count=1)
         cells[i]["source"] = text.splitlines(keepends=True)
     # After the title cell: the launcher is defined before any cell uses it.
-    cells[1:1] = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher_code(launcher_source))]
+    launcher = notebook_launcher_cell(launcher_source, stem)
+    cells[1:1] = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher)]
     return notebook
 
 
@@ -278,7 +284,7 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
         # Always from the gallery's own files, so that a rebuild never inlines twice.
         script = standalone_script((gallery / f"{stem}.py").read_text(), launcher_source)
         notebook = json.loads((gallery / f"{stem}.ipynb").read_text())
-        notebook_text = json.dumps(standalone_notebook(notebook, launcher_source), indent=1)
+        notebook_text = json.dumps(standalone_notebook(notebook, launcher_source, stem), indent=1)
         for path in (outdir / "_downloads").glob(f"*/{stem}.py"):
             path.write_text(script)
         for path in (outdir / "_downloads").glob(f"*/{stem}.ipynb"):

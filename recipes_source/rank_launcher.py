@@ -6,18 +6,21 @@ training script. It works in three places:
 
 * inside Sphinx-Gallery and as ``python recipes_source/<recipe>.py``: the
   launcher forks ``DCP_RECIPES_WORLD_SIZE`` ranks (default: 2 on CPU, one per
-  GPU on a GPU machine, and never more than the GPUs there are), hosts their
-  rendezvous store in the parent on a free port, captures each rank's output
-  and prints it, labelled by rank, under the cell that launched it;
+  GPU on a GPU machine, and never more than the GPUs there are), which meet
+  through a file in the launch's work directory (no port, and no server thread
+  in the parent), captures each rank's output and prints it, labelled by
+  rank, under the cell that launched it;
 * under ``torchrun`` (one or several agents): it uses the ranks torchrun made
   and starts nothing itself.
 
 CPU ranks use gloo. With GPUs each rank gets one device and the process group
 ``"cpu:gloo,cuda:nccl"`` (``dcp.async_save`` needs the CPU backend). The parent
-never initialises CUDA, so forking stays safe. Process clean-up is the
-launcher's too: each forked rank limits OpenMP to one thread, freezes the
-objects it inherited, stops the helper processes a recipe started (DCP's
-checkpoint process) and removes their temporary folders before it exits.
+never initialises CUDA and runs no threads of its own when it forks, and it
+refuses to fork beside a thread it does not know to be safe (a forked rank
+inherits every lock that thread held, and can wait for it for ever). Process
+clean-up is the launcher's too: each forked rank limits OpenMP to one thread,
+freezes the objects it inherited, stops the helper processes a recipe started
+(DCP's checkpoint process) and removes their temporary folders before it exits.
 
 A rank that raises fails the launch at once, and the error names the recipe,
 the rank, its traceback and its output. Every launch has a deadline
@@ -40,6 +43,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -53,6 +57,7 @@ import torch.multiprocessing as mp
 WORLD_SIZE_ENV = "DCP_RECIPES_WORLD_SIZE"
 TIMEOUT_ENV = "DCP_RECIPES_TIMEOUT"
 STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # set by the site build: where run stamps go
+RECIPE_ENV = "DCP_RECIPES_RECIPE"  # set in a notebook, which has no script name
 
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_TIMEOUT_S = 300.0
@@ -66,6 +71,10 @@ os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 
 class RankFailedError(RuntimeError):
     """A rank raised, crashed or ran past the launch deadline."""
+
+
+class UnsafeToForkError(RuntimeError):
+    """The launching process runs a thread that a forked rank could deadlock on."""
 
 
 # --------------------------------------------------------------------------
@@ -108,6 +117,13 @@ def under_torchrun() -> bool:
     )
 
 
+# The launching process only orchestrates, and it must run no OpenMP thread pool when it
+# forks (see "No fork beside a running thread" below): torch computes on one thread in
+# it, as on every forked rank. Under torchrun nothing forks, and nothing changes.
+if not under_torchrun():
+    torch.set_num_threads(1)
+
+
 def _timeout_s(timeout: float | None) -> float:
     if timeout is not None:
         return float(timeout)
@@ -116,7 +132,8 @@ def _timeout_s(timeout: float | None) -> float:
 
 def _recipe_name() -> str:
     # Sphinx-Gallery sets sys.argv[0] to the example's path; so does python/torchrun.
-    return Path(sys.argv[0]).stem or "<recipe>"
+    # A Jupyter kernel's is its launcher's: the notebook's launcher cell names the recipe.
+    return os.environ.get(RECIPE_ENV) or Path(sys.argv[0]).stem or "<recipe>"
 
 
 def _cpu_name() -> str:
@@ -268,12 +285,14 @@ def _run_forked(
     # once here so that every forked rank inherits it instead of paying again.
     import torch._dynamo  # noqa: F401
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _refuse_to_fork_beside_unknown_threads(recipe, ranks)
+    # The ranks meet through a file (a FileStore) in the launch's work directory: the
+    # parent hosts no store, so it runs no server thread while it forks.
     workdir = tempfile.mkdtemp(prefix="dcp-recipe-ranks-")
     try:
         context = mp.start_processes(
             _rank_entry,
-            args=(fn, args, ranks, store.port, workdir, timeout, group),
+            args=(fn, args, ranks, workdir, timeout, group),
             nprocs=ranks,
             join=False,
             start_method="fork",
@@ -295,7 +314,80 @@ def _run_forked(
         return [value for value, _ in results]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        del store
+
+
+# --------------------------------------------------------------------------
+# No fork beside a running thread
+# --------------------------------------------------------------------------
+# A forked process has one thread, but a copy of all the memory of the others, with every
+# lock they held at that instant held for ever. A rank that then needs such a lock waits
+# for ever. (The rendezvous store that the parent used to host ran a server thread, which
+# formats each connecting rank's address with getnameinfo under glibc's resolver lock; a
+# rank forked at that instant hung in its own getnameinfo.) So the parent runs no thread
+# of the launcher's, and before it forks it looks at every thread it has.
+
+
+def _is_jupyter_kernel_thread(thread: threading.Thread) -> bool:
+    """ipykernel's own threads (ZeroMQ I/O, heartbeat, output capture): a rank never uses
+    what they hold, since it writes to its own log from its first line."""
+    target = getattr(thread, "_target", None)
+    modules = (type(thread).__module__, getattr(target, "__module__", None) or "")
+    return any(module.startswith("ipykernel.") for module in modules)
+
+
+def _native_threads() -> dict[int, str]:
+    """Every thread of this process by its OS id, with its OS name (Linux); else {}."""
+    try:
+        ids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return {}
+    names = {}
+    for tid in ids:
+        with contextlib.suppress(OSError):
+            names[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    return names
+
+
+def _unknown_threads() -> dict[int, str]:
+    """The threads beside this one that are not known to be safe to fork beside, described."""
+    me = threading.get_native_id()
+    python_threads = {t.native_id: t for t in threading.enumerate() if t.native_id != me}
+    unknown = {}
+    for tid, thread in python_threads.items():
+        if not _is_jupyter_kernel_thread(thread):
+            target = getattr(thread, "_target", None)
+            started_by = getattr(target, "__qualname__", None) or type(thread).__qualname__
+            unknown[tid] = f"Python thread {thread.name!r} (runs {started_by})"
+    for tid, name in _native_threads().items():
+        # ZeroMQ's I/O threads are a Jupyter kernel's, like the Python threads above.
+        if tid != me and tid not in python_threads and not name.startswith("ZMQbg/"):
+            unknown[tid] = (
+                f"native thread {name!r} (tid {tid}; a C library's, such as an OpenMP pool "
+                "that torch started before the launcher was imported)"
+            )
+    return unknown
+
+
+def _refuse_to_fork_beside_unknown_threads(recipe: str, ranks: int) -> None:
+    """Raise ``UnsafeToForkError`` naming every thread that could deadlock a forked rank."""
+    unknown = _unknown_threads()
+    if any(description.startswith("native") for description in unknown.values()):
+        # Some libraries stop their threads whenever the process forks (OpenBLAS, which
+        # numpy loads, parks its thread pool): fork once, a child that exits at once, and
+        # keep only the threads that outlived it.
+        probe = os.fork()
+        if probe == 0:
+            os._exit(0)
+        os.waitpid(probe, 0)
+        unknown = {tid: unknown[tid] for tid in _unknown_threads() if tid in unknown}
+    if unknown:
+        raise UnsafeToForkError(
+            f"recipe {recipe!r}: will not fork {ranks} rank(s): the launching process runs "
+            f"{len(unknown)} other thread(s): " + "; ".join(unknown.values()) + ". A process "
+            "forked beside a running thread inherits the locks that thread holds, and can "
+            "wait for them for ever. Start what runs the thread inside run_on_one_process "
+            "or run_on_ranks, or stop it before this launch."
+        )
 
 
 def _wait_for_ranks(context: Any, timeout: float) -> tuple[int, str] | None:
@@ -370,7 +462,6 @@ def _rank_entry(
     fn: Callable[..., Any],
     args: tuple,
     ranks: int,
-    port: int,
     workdir: str,
     timeout: float,
     group: bool,
@@ -393,7 +484,8 @@ def _rank_entry(
         # reported by the launcher, with every rank still running and its output.
         beyond_the_deadline = datetime.timedelta(seconds=timeout + 60)
         if group:
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=beyond_the_deadline)
+            store = dist.FileStore(str(Path(workdir, "rendezvous")), ranks)
+            store.set_timeout(beyond_the_deadline)
             dist.init_process_group(
                 _backend(),
                 store=store,

@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import psutil
 from bs4 import BeautifulSoup
+from nbclient import NotebookClient
 
 from dcp_site import recipe_names, standalone_script
 
@@ -153,6 +155,32 @@ class RecipeRunner:
             timeout,
         )
 
+    def notebook(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
+        """The page's notebook, alone in an empty directory, top to bottom in a Jupyter kernel.
+
+        Returns the executed notebook; a failing cell raises ``CellExecutionError`` with the
+        cell and its traceback. A hang in a launch is reported by the launcher, with each
+        rank's output, at its deadline: before the cell's own timeout.
+        """
+        notebook_path = self.workdir / f"{name}.ipynb"
+        shutil.copyfile(page_download(name, ".ipynb"), notebook_path)
+        notebook = nbformat.read(notebook_path, as_version=4)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env(DCP_RECIPES_WORLD_SIZE=str(world_size)))  # the kernel's
+        try:
+            client = NotebookClient(
+                notebook,
+                timeout=timeout,
+                kernel_name="python3",
+                resources={"metadata": {"path": self.workdir}},
+            )
+            client.execute()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return notebook
+
     def _run(self, cmd: list[str], env: dict[str, str], timeout: float):
         return subprocess.run(
             cmd, env=env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
@@ -167,7 +195,9 @@ class RecipeRunner:
         """
         left = [p.name for p in self.tmpdir.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
         left += [
-            f"beside the script: {p.name}" for p in self.workdir.iterdir() if p.suffix != ".py"
+            f"beside the script: {p.name}"
+            for p in self.workdir.iterdir()
+            if p.suffix not in (".py", ".ipynb")
         ]
         return sorted(left)
 
@@ -197,6 +227,13 @@ def assert_ok(result: subprocess.CompletedProcess) -> str:
     output = (result.stdout or "") + (result.stderr or "")
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-6000:]}"
     return output
+
+
+def notebook_output(notebook) -> str:
+    """What an executed notebook's code cells printed, in order."""
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count for cell in code), "every code cell ran"
+    return "".join(output.get("text", "") for cell in code for output in cell.get("outputs", []))
 
 
 def assert_no_traceback(output: str) -> None:

@@ -112,3 +112,34 @@ def test_a_one_process_step_leaves_no_thread_behind_in_the_launching_process(rec
     assert "threads in the launching process: ['MainThread']" in output
     assert "[rank1] rank 1: threads ['MainThread']" in output
     assert recipe_runner.leftovers() == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "named"),
+    [
+        ("python", "Python thread 'left-running' (runs Event.wait)"),
+        # The store the launcher itself used to host: its server runs on a thread of its own.
+        ("tcp-store", "native thread 'pt_tcpstore_uv'"),
+    ],
+)
+def test_the_launcher_refuses_to_fork_beside_a_running_thread(recipe_runner, kind, named):
+    result = recipe_runner.script(
+        SCRIPTS / "thread_left_running.py", 2, 120, THREAD_LEFT_RUNNING=kind
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output[-4000:]
+    assert "refused: recipe 'thread_left_running': will not fork 2 rank(s)" in output
+    assert named in output, output
+    assert "a rank started" not in output, "no rank starts"
+    assert recipe_runner.leftovers() == []
+
+
+def test_a_launch_forks_from_a_process_without_threads_of_its_own(recipe_runner):
+    """No refusal where the only threads are those that stop at a fork (numpy's OpenBLAS)."""
+    result = recipe_runner.script(
+        SCRIPTS / "thread_left_running.py", 2, 120, THREAD_LEFT_RUNNING="none"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "threads before the launch: 2" in output, "OpenBLAS's pool runs beside the main thread"
+    assert "[rank0] a rank started" in output and "[rank1] a rank started" in output

@@ -12,20 +12,17 @@ import sys
 import zipfile
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import yaml
 from bs4 import BeautifulSoup
-from nbclient import NotebookClient
 from recipe_runner import (
-    LAUNCH_DEADLINE_S,
     RECIPE_NAMES,
-    RECIPE_TIMEOUT_S,
     RECIPES,
     ROOT,
     TRACEBACK,
     assert_no_traceback,
+    notebook_output,
     page_download,
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
@@ -34,6 +31,7 @@ from dcp_site import (
     ARTIFACTS,
     LAUNCHER_IMPORT,
     launcher_code,
+    notebook_launcher_cell,
     reread_recipe_pages,
     standalone_script,
 )
@@ -206,7 +204,7 @@ def test_downloads_hold_the_recipe_and_the_launcher(site, name):
     notebook = json.loads(page_download(name, ".ipynb").read_text())
     code = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
     assert not any("from rank_launcher import" in cell for cell in code)
-    assert code[0] == launcher_code(launcher_source()), "the launcher is the first code cell"
+    assert code[0] == notebook_launcher_cell(launcher_source(), name), "the launcher comes first"
     zipped = next((page_download(name, ".py").parent.parent).glob(f"*/{name}.zip"))
     with zipfile.ZipFile(zipped) as archive:
         assert archive.read(f"{name}.py").decode() == script
@@ -230,36 +228,13 @@ def test_notebook_holds_exactly_the_code_a_reader_copies(site, name):
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
-def test_downloaded_notebook_runs_alone(site, name, tmp_path, monkeypatch):
+def test_downloaded_notebook_runs_alone(site, name, recipe_runner):
     """The page's notebook, alone in an empty directory, top to bottom in a Jupyter kernel."""
-    workdir, tmpdir = tmp_path / "notebook", tmp_path / "tmp"
-    workdir.mkdir()
-    tmpdir.mkdir()
-    notebook_path = workdir / f"{name}.ipynb"
-    shutil.copyfile(page_download(name, ".ipynb"), notebook_path)
-    monkeypatch.setenv("TMPDIR", str(tmpdir))  # the kernel inherits it: leftovers show
-    monkeypatch.setenv("DCP_RECIPES_WORLD_SIZE", "2")
-    # A hang in a launch is reported by the launcher, with each rank's output, before the
-    # cell's own timeout.
-    monkeypatch.setenv("DCP_RECIPES_TIMEOUT", LAUNCH_DEADLINE_S)
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.delenv("DCP_RECIPES_STAMP_DIR", raising=False)
-    notebook = nbformat.read(notebook_path, as_version=4)
-    client = NotebookClient(
-        notebook,
-        timeout=RECIPE_TIMEOUT_S,
-        kernel_name="python3",
-        resources={"metadata": {"path": workdir}},
-    )
-    client.execute()  # raises CellExecutionError, with the cell and its traceback, on an error
-    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert all(cell.execution_count for cell in code), "every code cell ran"
-    printed = "".join(output.get("text", "") for cell in code for output in cell.get("outputs", []))
+    printed = notebook_output(recipe_runner.notebook(name))
     # Warnings may come from the kernel's own environment (tqdm without ipywidgets, say):
     # what must never be there is an error, or a rank that aborted.
     assert TRACEBACK not in printed and "terminate called" not in printed, printed[-4000:]
-    assert sorted(p.name for p in workdir.iterdir()) == [notebook_path.name]
-    assert [p.name for p in tmpdir.iterdir() if not p.name.startswith("torch")] == []
+    assert recipe_runner.leftovers() == []
 
 
 def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, tmp_path):
