@@ -44,13 +44,14 @@ sphinx_gallery_conf = {
     # Execute every recipe; GALLERY_PATTERN=<regex> narrows it (the rest still render).
     "filename_pattern": os.environ.get("GALLERY_PATTERN", r"/recipes_source/"),
     # The launcher is the gallery's scaffolding, not a recipe.
-    "ignore_pattern": r"rank_launcher\.py|__init__\.py",
+    "ignore_pattern": r"rank_launcher\.py|__init__\.py|/page_tools/",
     "within_subsection_order": "dcp_site.RecipeOrder",
     "reset_modules": ("matplotlib", "dcp_site.reset_recipe_outputs"),
     "reset_modules_order": "both",
     "download_all_examples": False,
-    # Cells show what they print; a bare last expression is not echoed.
-    "capture_repr": (),
+    # Cells show what they print; a bare last expression is echoed only as HTML (the
+    # tables of page_tools.figures), never as its repr.
+    "capture_repr": ("_repr_html_",),
     "remove_config_comments": True,
     "show_memory": False,
     "promote_jupyter_magic": False,

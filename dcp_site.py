@@ -33,7 +33,10 @@ GALLERY_DIR = "recipes"
 SOURCE_DIR = "recipes_source"
 STAMP_SUBDIR = ".run-stamps"
 STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # read by recipes_source/rank_launcher.py
+RESULTS_SUBDIR = ".results"
+RESULTS_DIR_ENV = "DCP_RECIPES_RESULTS_DIR"  # read by recipes_source/page_tools/results.py
 LAUNCHER = "rank_launcher.py"
+PAGE_PACKAGE = "page_tools"  # the pages' measuring and proving code, left out of downloads
 
 # The order a reader should take: basics and export, async, full overlap, resuming, the
 # pitfalls of overlap, the numbers.
@@ -75,6 +78,11 @@ def stamp_dir(confdir: str | os.PathLike) -> Path:
     return Path(confdir) / GALLERY_DIR / STAMP_SUBDIR
 
 
+def results_dir(confdir: str | os.PathLike) -> Path:
+    """Where each executed page's results file goes (``page_tools.results``)."""
+    return Path(confdir) / GALLERY_DIR / RESULTS_SUBDIR
+
+
 # Files a recipe writes into its working directory for the reader to keep (as a download,
 # beside the script; in the gallery, in recipes_source/): after the recipe runs in the build
 # they move into the gallery, and its page header links them.
@@ -93,6 +101,7 @@ def reset_recipe_outputs(gallery_conf: dict, fname: str | None, when: str) -> No
     gallery = confdir / GALLERY_DIR
     if when == "before":
         (stamp_dir(confdir) / f"{stem}.json").unlink(missing_ok=True)
+        (results_dir(confdir) / f"{stem}.json").unlink(missing_ok=True)
         for suffix in ARTIFACTS:
             (gallery / f"{stem}{suffix}").unlink(missing_ok=True)
         return
@@ -141,7 +150,41 @@ def page_links(stem: str, gallery: Path) -> str:
         if (gallery / f"{stem}{suffix}").exists()
     ]
     links.append(":doc:`How the ranks start </launcher>`")
+    links.append(":doc:`How these pages measure and prove </measuring>`")
     return ".. container:: dcp-page-links\n\n   " + " · ".join(links) + "\n"
+
+
+# The one note about the site's scaffolding on every recipe page (the pages themselves
+# talk about DCP only).
+PAGE_NOTE = """\
+.. note::
+   :class: dcp-page-note
+
+   ``run_on_ranks(fn, ...)`` runs ``fn`` on every rank (:doc:`/launcher`): the functions
+   it runs are what you would run under ``torchrun``, and each rank's output is printed
+   under the cell, labelled ``[rankN]``. Cells that call ``page_tools`` are this page's
+   proofs and measurements (:doc:`/measuring`); the downloads leave them out.
+"""
+
+
+def results_problems(confdir: str | os.PathLike, stem: str) -> list[str]:
+    """What is wrong with an executed page's results file, against its list of claims."""
+    path = results_dir(confdir) / f"{stem}.json"
+    import sys
+
+    source = str(Path(confdir, SOURCE_DIR))
+    if source not in sys.path:
+        sys.path.insert(0, source)
+    from page_tools import results
+
+    listed = results.manifest(stem)
+    if not listed and not path.exists():
+        return []  # a page that proves nothing with page_tools yet
+    if not path.exists():
+        return [f"it wrote no results file ({path.name}) but claims/{stem}.toml lists claims"]
+    stamp_path = stamp_dir(confdir) / f"{stem}.json"
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
+    return results.problems(stem, results.read(path), on_gpu="nccl" in stamp.get("backend", ""))
 
 
 # Sphinx-Gallery's "Go to the end to download the full example code" note: the header has the links.
@@ -162,6 +205,10 @@ def insert_page_header(app: Sphinx, docname: str, source: list[str]) -> None:
         stamp = NOT_RUN_BLOCK
     elif stamp_path.exists():
         stamp = stamp_block(json.loads(stamp_path.read_text()))
+        for problem in results_problems(app.confdir, stem):
+            from sphinx.util import logging
+
+            logging.getLogger(__name__).warning("recipe %s: %s", stem, problem, location=docname)
     else:
         from sphinx.util import logging
 
@@ -173,7 +220,7 @@ def insert_page_header(app: Sphinx, docname: str, source: list[str]) -> None:
         return
     text = _GO_TO_THE_END.sub("", source[0], count=1)
     links = page_links(stem, Path(app.confdir, GALLERY_DIR))
-    source[0] = _after_title(text, links + "\n" + stamp)
+    source[0] = _after_title(text, links + "\n" + stamp + "\n" + PAGE_NOTE)
 
 
 def _after_title(text: str, block: str) -> str:
@@ -188,6 +235,24 @@ def _after_title(text: str, block: str) -> str:
 
 def _export_stamp_dir(app: Sphinx, config) -> None:
     os.environ[STAMP_DIR_ENV] = str(stamp_dir(app.confdir))
+    os.environ[RESULTS_DIR_ENV] = str(results_dir(app.confdir))
+
+
+def write_page_package_zip(confdir: str | os.PathLike) -> Path:
+    """``recipes/page_tools.zip``: the page package, for code copied block by block from a
+    page (the measuring page offers it, as the launcher page offers rank_launcher.py)."""
+    target = Path(confdir, GALLERY_DIR, f"{PAGE_PACKAGE}.zip")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    package = Path(confdir, SOURCE_DIR, PAGE_PACKAGE)
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(package.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                archive.write(path, path.relative_to(package.parent))
+    return target
+
+
+def _write_page_package_zip(app: Sphinx, config) -> None:
+    write_page_package_zip(app.confdir)
 
 
 # --------------------------------------------------------------------------
@@ -215,6 +280,132 @@ LAUNCHER_NOTE = (
 )
 
 
+_HIDDEN_BLOCK = re.compile(
+    r"^[ \t]*# sphinx_gallery_start_ignore\n.*?^[ \t]*# sphinx_gallery_end_ignore\n", re.M | re.S
+)
+
+
+def page_names(code: str) -> set[str]:
+    """The names a recipe binds to the page package (``from page_tools import proofs``)."""
+    names = {PAGE_PACKAGE}
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PAGE_PACKAGE:
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {
+                (alias.asname or alias.name).split(".")[0]
+                for alias in node.names
+                if alias.name.split(".")[0] == PAGE_PACKAGE
+            }
+    return names
+
+
+def _uses(node: ast.AST, names: set[str]) -> bool:
+    return any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+
+
+def _is_page_import(node: ast.stmt) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").split(".")[0] == PAGE_PACKAGE
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == PAGE_PACKAGE for alias in node.names)
+    return False
+
+
+def is_page_statement(node: ast.stmt, names: set[str]) -> bool:
+    """A statement that is the page's work: it imports or uses the page package."""
+    return _is_page_import(node) or _uses(node, names)
+
+
+def is_page_wrapper(node: ast.stmt, names: set[str]) -> bool:
+    """``with <page_tools context>: <recipe code>``: the page watches the recipe it runs."""
+    return (
+        isinstance(node, ast.With)
+        and all(_uses(item.context_expr, names) for item in node.items)
+        and not any(_uses(stmt, names) for stmt in node.body)
+    )
+
+
+def recipe_only(code: str, names: set[str] | None = None) -> str:
+    """A page's code as the reader keeps it: without the page's own work.
+
+    Hidden blocks (``sphinx_gallery_start_ignore``) go, and so does every top-level
+    statement that imports or uses the page package, except that a ``with`` of it keeps
+    its body (the recipe code it watches), one indentation level out. Cells left empty
+    go too. Comments stay. ``names``: the page package's names, for one cell of a page
+    (default: those that ``code`` imports).
+    """
+    code = _HIDDEN_BLOCK.sub("", code)
+    tree = ast.parse(code)
+    names = page_names(code) if names is None else names
+    lines = code.splitlines(keepends=True)
+    keep = [True] * len(lines)
+    dedent: dict[int, int] = {}
+    for node in tree.body:
+        first = (
+            node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+        ) - 1
+        if is_page_wrapper(node, names):
+            body_start = node.body[0].lineno - 1
+            for i in range(first, body_start):
+                keep[i] = False
+            indent = node.body[0].col_offset - node.col_offset
+            for i in range(body_start, node.end_lineno):
+                dedent[i] = indent
+        elif is_page_statement(node, names):
+            for i in range(first, node.end_lineno):
+                keep[i] = False
+    out = []
+    for i, line in enumerate(lines):
+        if keep[i]:
+            out.append(line[dedent[i] :] if i in dedent and line.strip() else line)
+    return _without_empty_cells("".join(out))
+
+
+def _without_empty_cells(code: str) -> str:
+    """Drop ``# %%`` cells that hold nothing but blank lines, and runs of blank lines."""
+    cells = re.split(r"(?m)^(?=# %%)", code)
+    kept = [cell for cell in cells if cell.strip() not in ("# %%", "")]
+    return re.sub(r"\n{4,}", "\n\n\n", "".join(kept)).rstrip("\n") + "\n"
+
+
+def page_metrics(source: str) -> dict[str, int]:
+    """A recipe page's size: its lines, its code lines (not blank, not comments, outside
+    the docstring), the hidden ones among them (with their markers) and the page-tool ones."""
+    tree = ast.parse(source)
+    docstring_end = (
+        tree.body[0].end_lineno if tree.body and isinstance(tree.body[0], ast.Expr) else 0
+    )
+    lines = source.splitlines()
+    hidden, inside = set(), False
+    for number, line in enumerate(lines, 1):
+        marker = line.strip()
+        if marker == "# sphinx_gallery_start_ignore":
+            inside = True
+        if inside:
+            hidden.add(number)
+        if marker == "# sphinx_gallery_end_ignore":
+            inside = False
+    code = {
+        number
+        for number, line in enumerate(lines, 1)
+        if number > docstring_end and line.strip() and not line.strip().startswith("#")
+    }
+    names = page_names(source)
+    page_work = set()
+    for node in tree.body:
+        if is_page_statement(node, names) or is_page_wrapper(node, names):
+            body = node.body if is_page_wrapper(node, names) else []
+            kept = {n for stmt in body for n in range(stmt.lineno, stmt.end_lineno + 1)}
+            page_work |= set(range(node.lineno, node.end_lineno + 1)) - kept
+    return {
+        "lines": len(lines),
+        "code_lines": len(code | hidden),
+        "hidden_lines": len(hidden),
+        "page_work_lines": len(page_work & code),
+    }
+
+
 def launcher_code(launcher_source: str) -> str:
     """The launcher without its module docstring (the header above replaces it)."""
     tree = ast.parse(launcher_source)
@@ -226,7 +417,9 @@ def launcher_code(launcher_source: str) -> str:
 
 
 def standalone_script(script: str, launcher_source: str) -> str:
-    """A recipe script with the launcher written in, after its docstring, in place of the import."""
+    """A recipe script as a download: the recipe only, with the launcher written in, after
+    its docstring, in place of the import."""
+    script = recipe_only(script)
     if not LAUNCHER_IMPORT.search(script):
         return script
     script = LAUNCHER_IMPORT.sub("", script, count=1)
@@ -253,7 +446,17 @@ def notebook_launcher_cell(launcher_source: str, stem: str) -> str:
 def standalone_notebook(notebook: dict, launcher_source: str, stem: str) -> dict:
     """A recipe notebook with the launcher in a cell of its own, in place of the import."""
     notebook = copy.deepcopy(notebook)
-    cells = notebook["cells"]
+    codes = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    names = page_names("\n".join(codes))
+    cells = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            code = recipe_only("".join(cell["source"]), names)
+            if not code.strip():
+                continue  # a cell of the page's own work
+            cell["source"] = code.rstrip("\n").splitlines(keepends=True)
+        cells.append(cell)
+    notebook["cells"] = cells
     importing = [
         i
         for i, cell in enumerate(cells)
@@ -358,6 +561,7 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
 
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
+    app.connect("config-inited", _write_page_package_zip)
     app.connect("env-get-outdated", reread_recipe_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)

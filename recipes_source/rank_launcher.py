@@ -264,6 +264,23 @@ def run_on_one_process(fn: Callable[..., Any], *args: Any) -> Any:
     return result[0]
 
 
+def run_as_torchrun(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on every rank as ``torchrun`` would start a training script.
+
+    Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and no process group: ``fn`` sets its device and
+    creates and destroys its own groups, as a script's ``main()`` does. Under torchrun it
+    runs on torchrun's ranks, once the launcher's own group is gone.
+    """
+    _no_main_script_to_rerun()
+    if under_torchrun():
+        _destroy_torchrun_group()
+        with _labelled_output(int(os.environ["RANK"])):
+            fn(*args)
+        return
+    _run_forked(fn, args, _world_size(), _timeout_s(None), group=False, torchrun_env=True)
+
+
 def _no_main_script_to_rerun() -> None:
     """Keep processes that torch spawns (DCP's checkpoint process) from running the recipe again.
 
@@ -277,9 +294,15 @@ def _no_main_script_to_rerun() -> None:
 
 
 def _run_forked(
-    fn: Callable[..., Any], args: tuple, ranks: int, timeout: float, group: bool = True
+    fn: Callable[..., Any],
+    args: tuple,
+    ranks: int,
+    timeout: float,
+    group: bool = True,
+    torchrun_env: bool = False,
 ) -> list[Any]:
-    """Fork ``ranks`` processes that run ``fn``, each in the process group unless not ``group``."""
+    """Fork ``ranks`` processes that run ``fn``, each in the process group unless not ``group``
+    (with ``torchrun_env``, in torchrun's environment instead, to create its own)."""
     recipe = _recipe_name()
     # fully_shard and optimizers import torch._dynamo lazily (~2 s); import it
     # once here so that every forked rank inherits it instead of paying again.
@@ -292,7 +315,7 @@ def _run_forked(
     try:
         context = mp.start_processes(
             _rank_entry,
-            args=(fn, args, ranks, workdir, timeout, group),
+            args=(fn, args, ranks, workdir, timeout, group, _torchrun_environment(torchrun_env)),
             nprocs=ranks,
             join=False,
             start_method="fork",
@@ -305,7 +328,7 @@ def _run_forked(
                 failure = killed
             raise RankFailedError(_describe_failure(recipe, failure, outputs, workdir))
         for rank, text in enumerate(outputs):
-            sys.stdout.write(_label(rank, text) if group else text)
+            sys.stdout.write(_label(rank, text) if group or torchrun_env else text)
         results = [
             pickle.loads(Path(workdir, f"rank{r}.result").read_bytes()) for r in range(ranks)
         ]
@@ -390,6 +413,18 @@ def _refuse_to_fork_beside_unknown_threads(recipe: str, ranks: int) -> None:
         )
 
 
+def _torchrun_environment(wanted: bool) -> dict[str, str] | None:
+    """What torchrun sets for every rank but the rank numbers, or None when not ``wanted``."""
+    if not wanted:
+        return None
+    import socket
+
+    with socket.socket() as probe:  # a free port for rank 0's store: nothing listens here
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def _wait_for_ranks(context: Any, timeout: float) -> tuple[int, str] | None:
     """Join the ranks; return (rank, cause) of the first failure, or None."""
     deadline = time.monotonic() + timeout
@@ -465,6 +500,7 @@ def _rank_entry(
     workdir: str,
     timeout: float,
     group: bool,
+    torchrun_env: dict[str, str] | None,
 ) -> None:
     """Body of one forked rank. Never returns: it leaves with os._exit."""
     log = open(Path(workdir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
@@ -493,7 +529,12 @@ def _rank_entry(
                 world_size=ranks,
                 timeout=beyond_the_deadline,
             )
+        if torchrun_env is not None:
+            os.environ.update(torchrun_env, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
         value = fn(*args)
+        if torchrun_env is not None and dist.is_initialized():
+            raise RuntimeError("the script's main() returned without destroy_process_group()")
         if group:
             # Everyone reaches here before teardown: tearing gloo down while a
             # peer is still sending aborts the process now and then.
@@ -519,6 +560,9 @@ def _rank_entry(
 # --------------------------------------------------------------------------
 
 
+_TORCHRUN_GROUPS: list[str] = []  # the launcher's groups under torchrun, in order
+
+
 def _ensure_torchrun_group() -> None:
     if dist.is_initialized():
         return
@@ -537,9 +581,11 @@ def _ensure_torchrun_group() -> None:
         timeout=timeout,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # A group created again after run_as_torchrun has keys of its own, too.
+    _TORCHRUN_GROUPS.append(attempt)
     dist.init_process_group(
         _backend(),
-        store=dist.PrefixStore(f"attempt-{attempt}", store),
+        store=dist.PrefixStore(f"attempt-{attempt}/group-{len(_TORCHRUN_GROUPS)}", store),
         rank=rank,
         world_size=ranks,
         timeout=timeout,

@@ -20,6 +20,7 @@ N ranks loads on M ranks, or into a plain model in a single process.
        * Load the same checkpoint into an unsharded model in one process
        * Convert between DCP and ``torch.save`` files, in code and on the
          command line
+       * Run the same code as a training script under ``torchrun``
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -28,12 +29,6 @@ N ranks loads on M ranks, or into a plain model in a single process.
        * CPU (gloo) or one GPU per rank (NCCL)
        * `FSDP2 <https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html>`__
          basics
-
-Every cell below runs when this page is built. Code that runs on every rank
-is launched by a small helper, ``run_on_ranks``, which starts the ranks (or
-uses the ones ``torchrun`` made) and prints what each rank printed, labelled
-``[rankN]``. Everything inside the functions it runs is plain DCP code that
-you can paste into a training script started with ``torchrun``.
 """
 
 # %%
@@ -53,14 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from rank_launcher import run_on_one_process, run_on_ranks, shared_tempdir, under_torchrun
+from page_tools import proofs, ranks, results
+from rank_launcher import run_as_torchrun, run_on_one_process, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
@@ -84,17 +76,21 @@ print(f"torch {torch.__version__}; checkpoints go to {CHECKPOINT_DIR}")
 # sharded model and its optimizer into state dicts keyed by parameter name
 # (FQN) with sharded ``DTensor`` values, and back. That is what lets DCP
 # reshard: the names and shapes do not depend on how many ranks there are.
+#
+# (Every page of this site uses these same few definitions; only the sizes change.)
+
+WIDTH, DEPTH, BATCH, LR = 64, 2, 32, 1e-2
 
 
 class ToyModel(nn.Module):
-    def __init__(self):
+    def __init__(self, width=WIDTH, depth=DEPTH):
         super().__init__()
-        self.net1 = nn.Linear(16, 64)
-        self.relu = nn.ReLU()
-        self.net2 = nn.Linear(64, 8)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
     def forward(self, x):
-        return self.net2(self.relu(self.net1(x)))
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
 
 
 class AppState(Stateful):
@@ -107,6 +103,9 @@ class AppState(Stateful):
     def state_dict(self):
         # Handles FSDP's FQNs and fills in optimizer state keyed by FQN.
         model_state_dict, optimizer_state_dict = get_state_dict(self.model, self.optimizer)
+        if torch.accelerator.is_available():
+            # A stager copying on its own stream would not wait for kernels launched here.
+            torch.accelerator.current_stream().synchronize()
         return {"model": model_state_dict, "optim": optimizer_state_dict}
 
     def load_state_dict(self, state_dict):
@@ -129,15 +128,8 @@ def build_sharded_model(seed):
     torch.manual_seed(seed)
     model = ToyModel().to(device_for_this_rank())
     fully_shard(model)  # every parameter becomes a DTensor sharded over all ranks
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
-
-
-def full_state(model, optimizer):
-    """The whole state, unsharded, on CPU, on rank 0: what we compare against."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state_dict, optimizer_state_dict = get_state_dict(model, optimizer, options=options)
-    return {"model": model_state_dict, "optim": optimizer_state_dict}
 
 
 print(ToyModel())
@@ -152,30 +144,28 @@ print(ToyModel())
 
 
 def train_and_save(checkpoint_dir):
-    rank = dist.get_rank()
     model, optimizer = build_sharded_model(seed=0)
     device = device_for_this_rank()
-    torch.manual_seed(100 + rank)  # each rank trains on its own data
+    torch.manual_seed(100 + dist.get_rank())  # each rank trains on its own data
     for step in range(1, 4):
         optimizer.zero_grad()
-        loss = model(torch.rand(32, 16, device=device)).pow(2).mean()
+        loss = model(torch.rand(BATCH, WIDTH, device=device)).pow(2).mean()
         loss.backward()
         optimizer.step()
         print(f"step {step}: loss {loss.item():.4f}")
 
-    state_dict = {"app": AppState(model, optimizer)}
-    dcp.save(state_dict, checkpoint_id=checkpoint_dir)
-
-    local = model.net1.weight.to_local()
-    print(
-        f"saved net1.weight: global shape {tuple(model.net1.weight.shape)}, "
-        f"this rank holds {tuple(local.shape)}"
-    )
-    # What the checkpoint must contain, for the checks below.
-    return full_state(model, optimizer)
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=checkpoint_dir)
+    weight = model.layers[0].weight
+    print(f"saved layers.0.weight {tuple(weight.shape)}, of which this rank holds", end=" ")
+    print(tuple(weight.to_local().shape))
 
 
-saved_state = run_on_ranks(train_and_save, CHECKPOINT_DIR)[0]
+# %%
+# The page keeps a copy of what each rank gave ``dcp.save``, to compare every
+# load below with:
+
+with proofs.state_given_to(dcp, "save") as saved:
+    run_on_ranks(train_and_save, CHECKPOINT_DIR)
 
 
 # %%
@@ -205,37 +195,18 @@ describe_checkpoint(CHECKPOINT_DIR)
 # ``load_state_dict`` hands them to model and optimizer.
 
 
-def count_mismatches(expected, actual, prefix=""):
-    """(tensors compared, names that differ) over two nested state dicts."""
-    compared, differ = 0, []
-    assert expected.keys() == actual.keys(), f"{prefix}: keys differ"
-    for key, value in expected.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            sub_compared, sub_differ = count_mismatches(value, actual[key], f"{name}.")
-            compared, differ = compared + sub_compared, differ + sub_differ
-        elif isinstance(value, torch.Tensor):
-            compared += 1
-            if not torch.equal(value, actual[key]):
-                differ.append(name)
-        elif value != actual[key]:
-            differ.append(name)
-    return compared, differ
-
-
-def load_and_verify(checkpoint_dir, expected):
+def load_checkpoint(checkpoint_dir):
     model, optimizer = build_sharded_model(seed=1)
-    state_dict = {"app": AppState(model, optimizer)}
-    dcp.load(state_dict, checkpoint_id=checkpoint_dir)
-
-    loaded = full_state(model, optimizer)  # collective: every rank calls it
-    if dist.get_rank() == 0:
-        compared, differ = count_mismatches(expected, loaded)
-        print(f"compared {compared} tensors with what was saved: {len(differ)} differ")
-        assert not differ, f"loaded state differs from saved state: {differ}"
+    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=checkpoint_dir)
+    first_row = [round(x, 4) for x in model.layers[0].weight.full_tensor()[0, :3].tolist()]
+    print(f"loaded {os.path.basename(checkpoint_dir)}: layers.0.weight[0, :3] = {first_row}")
 
 
-run_on_ranks(load_and_verify, CHECKPOINT_DIR, saved_state)
+# %%
+
+with proofs.state_after(dcp, "load") as loaded:
+    run_on_ranks(load_checkpoint, CHECKPOINT_DIR)
+proofs.same_state("sharded-load", saved, loaded, "loaded on every rank vs saved")
 
 
 # %%
@@ -247,25 +218,21 @@ run_on_ranks(load_and_verify, CHECKPOINT_DIR, saved_state)
 # process group (it is the default when none is initialised).
 
 
-def load_unsharded(checkpoint_dir, expected):
+def load_unsharded(checkpoint_dir):
     model = ToyModel()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    state_dict = {"app": AppState(model, optimizer)}
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process even when no_dist=True says so.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state_dict, checkpoint_id=checkpoint_dir, no_dist=True)
-
-    loaded = AppState(model, optimizer).state_dict()
-    compared, differ = count_mismatches(expected, loaded)
-    print(
-        f"unsharded model: net1.weight {tuple(model.net1.weight.shape)}, "
-        f"compared {compared} tensors: {len(differ)} differ"
-    )
-    assert not differ, f"unsharded load differs from saved state: {differ}"
+        dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=checkpoint_dir, no_dist=True)
+    print(f"unsharded model: layers.0.weight {tuple(model.layers[0].weight.shape)}")
 
 
-run_on_one_process(load_unsharded, CHECKPOINT_DIR, saved_state)
+# %%
+
+with proofs.state_after(dcp, "load") as unsharded:
+    run_on_one_process(load_unsharded, CHECKPOINT_DIR)
+proofs.same_state("unsharded-load", saved, unsharded, "loaded in one process vs saved")
 
 
 # %%
@@ -273,23 +240,24 @@ run_on_one_process(load_unsharded, CHECKPOINT_DIR, saved_state)
 # ---------------------------------------
 # For tools that expect one file, ``dcp_to_torch_save`` reads the whole
 # checkpoint in one process and writes it with ``torch.save``. The nesting of
-# the state dict is kept: ``app`` / ``model`` / ``net1.weight``. Load it with
+# the state dict is kept: ``app`` / ``model`` / ``layers.0.weight``. Load it with
 # ``weights_only=True``: it contains only tensors and plain containers.
 
 TORCH_SAVE_PATH = os.path.join(WORK_DIR, "checkpoint.pt")
 
 
-def convert_to_torch_save(checkpoint_dir, torch_save_path, expected):
+def convert_to_torch_save(checkpoint_dir, torch_save_path):
     dcp_to_torch_save(checkpoint_dir, torch_save_path)
     converted = torch.load(torch_save_path, weights_only=True)
-    compared, differ = count_mismatches(expected, converted["app"])
     size = os.path.getsize(torch_save_path)
     print(f"{os.path.basename(torch_save_path)}: {size:,} bytes, keys {list(converted['app'])}")
-    print(f"compared {compared} tensors: {len(differ)} differ")
-    assert not differ, differ
 
 
-run_on_one_process(convert_to_torch_save, CHECKPOINT_DIR, TORCH_SAVE_PATH, saved_state)
+# %%
+
+with proofs.value_returned_by(torch, "load", where=proofs.reads_file(".pt")) as converted:
+    run_on_one_process(convert_to_torch_save, CHECKPOINT_DIR, TORCH_SAVE_PATH)
+proofs.same_state("torch-save-file", saved, converted, "checkpoint.pt vs saved")
 
 
 # %%
@@ -299,26 +267,26 @@ run_on_one_process(convert_to_torch_save, CHECKPOINT_DIR, TORCH_SAVE_PATH, saved
 #
 #    python -m torch.distributed.checkpoint.format_utils dcp_to_torch CHECKPOINT_DIR OUT.pt
 #
-# The cell below runs exactly that command and checks its output file.
+# The cell below runs exactly that command and reads its output file.
 
 CLI_OUTPUT_PATH = os.path.join(WORK_DIR, "checkpoint-cli.pt")
 
 
-def convert_on_command_line(checkpoint_dir, output_path, expected):
+def convert_on_command_line(checkpoint_dir, output_path):
     command = [sys.executable, "-m", "torch.distributed.checkpoint.format_utils"]
-    command += ["dcp_to_torch", checkpoint_dir, output_path]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-    converted = torch.load(output_path, weights_only=True)
-    compared, differ = count_mismatches(expected, converted["app"])
-    print(
-        f"$ python -m torch.distributed.checkpoint.format_utils dcp_to_torch ... "
-        f"{os.path.basename(output_path)}"
+    subprocess.run(
+        [*command, "dcp_to_torch", checkpoint_dir, output_path], check=True, capture_output=True
     )
-    print(f"compared {compared} tensors: {len(differ)} differ")
-    assert not differ, differ
+    converted = torch.load(output_path, weights_only=True)
+    print(f"$ python -m ...format_utils dcp_to_torch ... {os.path.basename(output_path)}")
+    print(f"keys {list(converted['app'])}")
 
 
-run_on_one_process(convert_on_command_line, CHECKPOINT_DIR, CLI_OUTPUT_PATH, saved_state)
+# %%
+
+with proofs.value_returned_by(torch, "load", where=proofs.reads_file(".pt")) as from_cli:
+    run_on_one_process(convert_on_command_line, CHECKPOINT_DIR, CLI_OUTPUT_PATH)
+proofs.same_state("command-line-file", saved, from_cli, "checkpoint-cli.pt vs saved")
 
 
 # %%
@@ -341,9 +309,11 @@ run_on_one_process(convert_back_to_dcp, TORCH_SAVE_PATH, ROUND_TRIP_DIR)
 
 # %%
 # Load the round-tripped checkpoint on all ranks into a fresh sharded model,
-# with the same check as before:
+# as before:
 
-run_on_ranks(load_and_verify, ROUND_TRIP_DIR, saved_state)
+with proofs.state_after(dcp, "load") as round_tripped:
+    run_on_ranks(load_checkpoint, ROUND_TRIP_DIR)
+proofs.same_state("round-trip-load", saved, round_tripped, "round trip vs saved")
 
 
 # %%
@@ -369,41 +339,71 @@ def save_and_load_where_ranks_disagree(work_dir):
     own_dir = os.path.join(work_dir, f"rank{rank}-only")  # BUG: a path per rank
     dcp.save(state_dict, checkpoint_id=own_dir)
     print(f"saved into {os.path.basename(own_dir)}: {sorted(os.listdir(own_dir))}")
-    rank0_dir = os.path.join(work_dir, "rank0-only")
     logging.disable(logging.WARNING)  # DCP also logs each failed read, with a traceback
-    for what, path in [("rank 0's directory", rank0_dir), ("its own directory", own_dir)]:
+    outcomes = []
+    for what, path in [
+        ("rank 0's directory", os.path.join(work_dir, "rank0-only")),
+        ("its own directory", own_dir),
+    ]:
         try:
             dcp.load(state_dict, checkpoint_id=path)
-            outcome = ["loaded"]
+            outcomes.append(f"every rank loads {what}: loaded")
         except CheckpointException as error:  # a BaseException: name it
-            outcome = [type(error).__name__] + [
-                f"  rank {failed}: {type(exc).__name__}: {exc}"
-                for failed, (exc, _) in sorted(error.failures.items())
+            failures = [
+                f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items())
             ]
-        if rank == 0:  # every rank sees the same outcome
-            print(f"every rank loads {what}:", "\n".join(outcome).replace(work_dir, "..."))
+            outcomes.append(
+                f"every rank loads {what}: CheckpointException\n  " + "\n  ".join(failures)
+            )
     logging.disable(logging.NOTSET)
+    if rank == 0:  # every rank sees the same outcome
+        print("\n".join(outcomes).replace(work_dir, "..."))
+    return outcomes
 
 
-# sphinx_gallery_start_ignore
-# One rank cannot disagree with itself: where this launch would have one rank (one GPU,
-# or DCP_RECIPES_WORLD_SIZE=1), the page shows the failure on two CPU ranks instead.
-world_size_env = "DCP_RECIPES_WORLD_SIZE"
-launch_environment = {
-    name: os.environ.get(name) for name in (world_size_env, "CUDA_VISIBLE_DEVICES")
-}
-ranks_here = int(os.environ.get(world_size_env) or torch.cuda.device_count() or 2)
-if not under_torchrun() and ranks_here == 1:
-    os.environ.update({world_size_env: "2", "CUDA_VISIBLE_DEVICES": ""})
-# sphinx_gallery_end_ignore
-run_on_ranks(save_and_load_where_ranks_disagree, WORK_DIR)
-# sphinx_gallery_start_ignore
-for name, value in launch_environment.items():
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-# sphinx_gallery_end_ignore
+# %%
+# One rank cannot disagree with itself: on a machine that would start one rank,
+# the page starts two CPU ranks for this cell.
+
+with ranks.at_least(2):
+    outcomes = run_on_ranks(save_and_load_where_ranks_disagree, WORK_DIR)[0]
+results.claim(
+    "disagreeing-directories-fail-at-load",
+    all("CheckpointException" in outcome for outcome in outcomes),
+    "both loads raised CheckpointException on every rank",
+    outcomes=outcomes,
+)
+
+
+# %%
+# The same, as a training script for ``torchrun``
+# -----------------------------------------------
+# In your own job ``torchrun`` starts the ranks, and ``main()`` does what
+# ``run_on_ranks`` did above: set this rank's device, create the process
+# group, run, and destroy the group. The checkpoint directory is a path that
+# every rank sees (``shared_tempdir`` made one here; on several machines, a
+# shared file system). Save it as ``train.py`` with the functions above, and:
+#
+# .. code-block:: bash
+#
+#    torchrun --nproc-per-node=2 train.py
+#
+# The cell runs ``main()`` the way ``torchrun`` would, on ranks that have
+# torchrun's environment and no process group yet.
+
+
+def main(checkpoint_dir):
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        train_and_save(checkpoint_dir)
+        load_checkpoint(checkpoint_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun", "step-3"))
 
 
 # %%

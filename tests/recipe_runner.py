@@ -9,6 +9,7 @@ build is an error that says how to rebuild.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,6 +40,27 @@ TRACEBACK = "Traceback (most recent call last)"
 WARNING_LINE = re.compile(r"\S+\.py:\d+: \w*Warning: ")
 
 RECIPE_NAMES = recipe_names(ROOT)
+RESULTS = ROOT / "recipes" / ".results"  # what each page measured and proved in the build
+
+
+def build_results(name: str) -> dict:
+    """The page's results file from the executed build (``page_tools.results``)."""
+    path = RESULTS / f"{name}.json"
+    assert path.exists(), f"no results of {name} from an executed build: run `make html` first"
+    return json.loads(path.read_text())
+
+
+def page_outputs(name: str) -> list[str]:
+    """The text of every output block on the built page, in order."""
+    page = HTML / "recipes" / f"{name}.html"
+    assert page.exists(), f"no built page for {name}: run `make html` first"
+    doc = BeautifulSoup(page.read_text(), "html.parser")
+    return [block.get_text() for block in doc.select("div.sphx-glr-script-out pre")]
+
+
+def numbers_in(lines: str, pattern: str) -> list[str]:
+    """Every match of ``pattern`` in ``lines``: the numbers a page and a run both print."""
+    return re.findall(pattern, lines, re.M)
 
 
 def recipe_path(name: str) -> Path:
@@ -146,6 +168,22 @@ class RecipeRunner:
                 raise
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
         return results
+
+    def source(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
+        """``python recipes_source/<recipe>.py``, with its page work, deciding its claims at
+        ``world_size`` ranks (a size the build does not run); returns (run, results)."""
+        results_dir = self.tmpdir.parent / "results"
+        run = self._run(
+            [sys.executable, str(recipe_path(name))],
+            self.env(
+                DCP_RECIPES_WORLD_SIZE=str(world_size),
+                PYTHONPATH=str(RECIPES),
+                DCP_RECIPES_RESULTS_DIR=str(results_dir),
+            ),
+            timeout,
+        )
+        path = results_dir / f"{name}.json"
+        return run, (json.loads(path.read_text()) if path.exists() else {})
 
     def script(self, path, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str):
         """``python <path>``: a test's own script; it imports the launcher from the repository."""

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -30,8 +31,12 @@ from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 from dcp_site import (
     ARTIFACTS,
     LAUNCHER_IMPORT,
+    is_page_statement,
+    is_page_wrapper,
     launcher_code,
     notebook_launcher_cell,
+    page_names,
+    recipe_only,
     reread_recipe_pages,
     standalone_script,
 )
@@ -175,7 +180,8 @@ def test_page_header_links_to_script_notebook_and_source(site, name):
 
 
 def expected_header_links(name: str) -> list[str]:
-    """Script, notebook, source, the files the recipe wrote for the reader, the launcher page."""
+    """Script, notebook, source, the files the recipe wrote for the reader, the launcher page,
+    the page about the pages' proofs."""
     artifacts = [
         label
         for suffix, label in ARTIFACTS.items()
@@ -187,6 +193,7 @@ def expected_header_links(name: str) -> list[str]:
         "View source",
         *artifacts,
         "How the ranks start",
+        "How these pages measure and prove",
     ]
 
 
@@ -221,10 +228,10 @@ def test_notebook_holds_exactly_the_code_a_reader_copies(site, name):
     """The notebook's cells are the page's code blocks: running one runs the other."""
     notebook = json.loads(page_download(name, ".ipynb").read_text())
     cells = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    copied = [
-        LAUNCHER_IMPORT.sub("", text, count=1) for text in copy_button_texts(page(site, name))
-    ]
-    assert [c.strip() for c in cells[1:]] == [c.strip() for c in copied]
+    texts = copy_button_texts(page(site, name))
+    names = page_names("\n".join(texts))
+    copied = [LAUNCHER_IMPORT.sub("", recipe_only(text, names), count=1) for text in texts]
+    assert [c.strip() for c in cells[1:]] == [c.strip() for c in copied if c.strip()]
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -246,6 +253,10 @@ def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, t
     launcher_link = soup(site / "launcher.html").select_one("a.download[href$='rank_launcher.py']")
     assert launcher_link is not None, "the launcher page offers rank_launcher.py"
     shutil.copyfile((site / launcher_link["href"]).resolve(), pasted.parent / "rank_launcher.py")
+    package_link = soup(site / "measuring.html").select_one("a.download[href$='page_tools.zip']")
+    assert package_link is not None, "the measuring page offers page_tools.zip"
+    with zipfile.ZipFile((site / package_link["href"]).resolve()) as archive:
+        archive.extractall(pasted.parent)
     result = subprocess.run(
         [sys.executable, str(pasted)],
         cwd=pasted.parent,
@@ -256,8 +267,113 @@ def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, t
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert output.count("compared 16 tensors with what was saved: 0 differ") == 2, output
+    assert output.count(" other values compared, 0 differ") == 5, output
     assert_no_traceback(output)
+
+
+PAGE_FIXTURE = '''\
+"""Title
+=====
+"""
+
+# %%
+import os
+
+from page_tools import proofs
+from rank_launcher import run_on_ranks
+
+
+def train(directory):
+    print("training")
+    # sphinx_gallery_start_ignore
+    print("hidden")
+    # sphinx_gallery_end_ignore
+
+
+# %%
+# The page watches the save:
+
+with proofs.state_given_to(os, "getcwd") as saved:
+    run_on_ranks(train, "x")
+    print("inside")
+
+# %%
+
+proofs.same_state("claim", saved, saved, "the same")
+'''
+
+RECIPE_ONLY_FIXTURE = '''\
+"""Title
+=====
+"""
+
+# %%
+import os
+
+from rank_launcher import run_on_ranks
+
+
+def train(directory):
+    print("training")
+
+
+# %%
+# The page watches the save:
+
+run_on_ranks(train, "x")
+print("inside")
+'''
+
+
+def test_downloads_leave_the_pages_own_work_out():
+    assert recipe_only(PAGE_FIXTURE) == RECIPE_ONLY_FIXTURE
+
+
+def _page_work_problems(source: str) -> list[str]:
+    """Where a recipe uses page_tools other than in cells of its own, at top level."""
+    tree = ast.parse(source)
+    names = {"page_tools"} | {
+        alias.asname or alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("page_tools")
+        for alias in node.names
+    }
+    problems = [
+        f"line {node.lineno}: {node.name} uses the page package: visible functions are recipe code"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+        and any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+    ]
+    for lineno, code in code_blocks_of(source):
+        body = ast.parse(code).body
+        page = [is_page_statement(n, names) or is_page_wrapper(n, names) for n in body]
+        if any(page) and not all(page) and not any(_is_page_import(n) for n in body):
+            problems.append(f"the cell at line {lineno} mixes recipe code and page work")
+    return problems
+
+
+def code_blocks_of(source: str) -> list[tuple[int, str]]:
+    """(first line, code) of each code block Sphinx-Gallery makes of a recipe's source."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as file:
+        file.write(source)
+        file.flush()
+        _, blocks = split_code_and_text_blocks(file.name)
+    return [(lineno, text) for kind, text, lineno in blocks if kind == "code"]
+
+
+def _is_page_import(node: ast.stmt) -> bool:
+    return isinstance(node, ast.ImportFrom) and (node.module or "").startswith("page_tools")
+
+
+def test_page_work_check_finds_page_tools_inside_a_recipe_function():
+    mixed = PAGE_FIXTURE.replace('    print("training")', '    print("training")\n    proofs.x()')
+    assert any("train uses the page package" in p for p in _page_work_problems(mixed))
+    assert _page_work_problems(PAGE_FIXTURE) == []
+
+
+@pytest.mark.parametrize("source", RECIPE_SOURCES, ids=[p.stem for p in RECIPE_SOURCES])
+def test_page_work_lives_in_cells_of_its_own(source):
+    assert _page_work_problems(source.read_text()) == []
 
 
 def test_site_chrome_is_this_sites_own(site):

@@ -1,0 +1,154 @@
+"""Watch a function while a page's ranks run: what each rank's calls saw comes back by rank.
+
+A page wraps a launch in a watch::
+
+    with observe.watch(dcp, "save", lambda call: proofs.snapshot(call.args[0])) as saves:
+        run_on_ranks(train_and_save, CHECKPOINT_DIR)
+    saves.by_rank  # {0: [what rank 0's first call saw, ...], 1: [...]}
+
+The ranks are forked inside the block, so they inherit the wrapped function; under
+torchrun, where every rank runs the page's top level, each rank wraps its own. What a
+rank records comes back when the block ends: through files when ranks are forked, by
+an all-gather under torchrun. The visible recipe code is not touched, and nothing of
+torch stays changed: on exit the attribute is exactly what it was (``replaced``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from rank_launcher import under_torchrun
+
+
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, replacement: Any) -> Iterator[Any]:
+    """``owner.name`` is ``replacement`` inside the block and what it was after it.
+
+    ``owner`` is a module or a class. An attribute the class only inherited is removed
+    again on exit, so that the base class's shows through as before. Yields the original.
+    """
+    own = vars(owner)
+    had_own = name in own
+    stored = own[name] if had_own else None
+    original = getattr(owner, name)
+    if isinstance(stored, staticmethod) and not isinstance(replacement, staticmethod):
+        replacement = staticmethod(replacement)
+    setattr(owner, name, replacement)
+    try:
+        yield original
+    finally:
+        if had_own:
+            setattr(owner, name, stored)
+        else:
+            delattr(owner, name)
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of a watched function, as the recorder sees it."""
+
+    args: tuple
+    kwargs: dict
+    result: Any = None  # only after the call
+
+    def argument(self, position: int, keyword: str) -> Any:
+        """An argument passed either by position or by keyword."""
+        return self.args[position] if len(self.args) > position else self.kwargs[keyword]
+
+
+@dataclasses.dataclass
+class Calls:
+    """What a watch recorded: ``by_rank[r]`` lists rank r's records, in call order."""
+
+    by_rank: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+
+    def last(self) -> list[Any]:
+        """The last record of every rank, in rank order."""
+        return [records[-1] for _, records in sorted(self.by_rank.items()) if records]
+
+    def count(self) -> int:
+        return sum(len(records) for records in self.by_rank.values())
+
+
+class _Spool:
+    """Records from every rank: a file per process when ranks are forked, an all-gather
+    under torchrun (where the block ends on every rank at once)."""
+
+    def __init__(self) -> None:
+        self.torchrun = under_torchrun()
+        self.directory = None if self.torchrun else tempfile.mkdtemp(prefix="page-tools-watch-")
+        self.local: list[tuple[int, Any]] = []
+        self.lock = threading.Lock()  # uploads record from threads of their own
+
+    def put(self, record: Any) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with self.lock:
+            if self.torchrun:
+                self.local.append((rank, record))
+                return
+            with open(Path(self.directory, f"{os.getpid()}.pickle"), "ab") as spool:
+                pickle.dump((rank, record), spool)
+
+    def collect(self) -> dict[int, list[Any]]:
+        entries: list[tuple[int, Any]] = []
+        if self.torchrun:
+            if dist.is_initialized():
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, self.local)
+                entries = [entry for rank_entries in gathered for entry in rank_entries]
+            else:
+                entries = self.local
+        else:
+            for path in sorted(Path(self.directory).glob("*.pickle")):
+                with open(path, "rb") as spool, contextlib.suppress(EOFError):
+                    while True:
+                        entries.append(pickle.load(spool))
+            shutil.rmtree(self.directory, ignore_errors=True)
+        by_rank: dict[int, list[Any]] = {}
+        for rank, record in entries:
+            by_rank.setdefault(rank, []).append(record)
+        return by_rank
+
+
+@contextlib.contextmanager
+def watch(
+    owner: Any,
+    name: str,
+    record: Callable[[Call], Any],
+    *,
+    before: bool = False,
+    where: Callable[[Call], bool] | None = None,
+) -> Iterator[Calls]:
+    """Record ``record(call)`` at every call of ``owner.name`` made inside the block.
+
+    ``before=True`` records when the call starts (the state a save is given), else when
+    it returns (``call.result`` is set: the state a load filled in). ``where`` keeps only
+    the calls it accepts. The records come back, by rank, when the block ends.
+    """
+    spool, calls = _Spool(), Calls()
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        call = Call(args, kwargs)
+        wanted = where is None or where(call)
+        if wanted and before:
+            spool.put(record(call))
+        call.result = original(*args, **kwargs)
+        if wanted and not before:
+            spool.put(record(call))
+        return call.result
+
+    with replaced(owner, name, watched) as original:
+        try:
+            yield calls
+        finally:
+            calls.by_rank = spool.collect()

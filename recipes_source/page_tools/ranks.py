@@ -1,0 +1,35 @@
+"""Launches a claim needs beyond what this machine's launch gives."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from rank_launcher import WORLD_SIZE_ENV, under_torchrun
+
+
+@contextlib.contextmanager
+def at_least(ranks: int) -> Iterator[int]:
+    """Launches inside the block use ``ranks`` CPU ranks where this machine's launch would
+    use fewer (one GPU, or ``DCP_RECIPES_WORLD_SIZE=1``): ranks that disagree need two.
+
+    Under torchrun, whose ranks are given, nothing changes. The environment is restored
+    on exit. Yields the number of ranks the launches inside will use.
+    """
+    saved = {name: os.environ.get(name) for name in (WORLD_SIZE_ENV, "CUDA_VISIBLE_DEVICES")}
+    here = int(os.environ.get(WORLD_SIZE_ENV) or torch.cuda.device_count() or 2)
+    if under_torchrun():
+        yield int(os.environ["WORLD_SIZE"])
+        return
+    if here < ranks:  # fewer GPUs than that: the launcher puts one rank per GPU, so use none
+        os.environ.update({WORLD_SIZE_ENV: str(ranks), "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        yield max(here, ranks)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
