@@ -170,17 +170,24 @@ def test_a_missing_module_in_a_failed_run_is_a_skip_only_when_its_package_is_abs
     assert find("RuntimeError: boom") is None
 
 
-def test_summary_lines_are_the_lines_that_start_with_the_recipe_stem():
-    output = (
-        "checkpoint_stall_benchmark: stall 0.8 ms\n"
-        "[rank0] checkpoint_stall_benchmark: copy 3.1 ms\n"
-        "other_recipe: not ours\n"
-        "checkpoint_stall_benchmark:no space, not a summary\n"
+def test_a_recipes_headline_and_claims_come_from_its_results_file(tmp_path):
+    (tmp_path / "page.json").write_text(
+        json.dumps(
+            {
+                "claims": {
+                    "a": {"held": True},
+                    "b": {"held": None},
+                    "c": {"held": True},
+                },
+                "values": {"headline": {"stall ms": 0.8125, "saves": 4}, "other": 1},
+            }
+        )
     )
-    assert gpu_check.summary_lines("checkpoint_stall_benchmark", output) == [
-        "checkpoint_stall_benchmark: stall 0.8 ms",
-        "[rank0] checkpoint_stall_benchmark: copy 3.1 ms",
-    ]
+    headline, claims = gpu_check.read_results(tmp_path, "page")
+    assert headline == {"stall ms": 0.8125, "saves": 4}
+    assert claims == {"held": 2, "not measured": 1, "failed": 0}
+    assert gpu_check.headline_text(headline) == "stall ms 0.812, saves 4"
+    assert gpu_check.read_results(tmp_path, "no_such_page") == (None, {})
 
 
 def _alive(pid: int) -> bool:
@@ -258,7 +265,7 @@ def test_dry_run_records_each_recipe(dry_run):
     by_name = {r["recipe"]: r for r in summary["recipes"]}
     assert list(by_name) == ["save_load_recipe", "failing_recipe", "missing_module_recipe"]
     keys = {"recipe", "path", "status", "reason", "exit_status", "seconds", "log"}
-    assert all(keys | {"summary_lines", "leftovers"} == set(r) for r in summary["recipes"])
+    assert all(keys | {"headline", "claims", "leftovers"} == set(r) for r in summary["recipes"])
 
     passed = by_name["save_load_recipe"]
     assert passed["status"] == "pass" and passed["exit_status"] == 0 and passed["reason"] is None
@@ -273,9 +280,9 @@ def test_dry_run_records_each_recipe(dry_run):
     log = (out / failed["log"]).read_text()
     assert "a line only the log keeps" in log
     assert "RuntimeError: this recipe fails on purpose" in log
-    assert failed["summary_lines"] == [
-        "failing_recipe: stall 12.5 ms (a summary line: the table shows it)"
-    ]
+    assert failed["headline"] == {"stall_ms": 12.5}, "what it recorded before it failed"
+    assert failed["claims"] == {"held": 1, "not measured": 0, "failed": 0}
+    assert passed["claims"]["held"] >= 6 and passed["claims"]["failed"] == 0, passed
 
     skipped = by_name["missing_module_recipe"]
     assert skipped["status"] == "skipped"
@@ -289,18 +296,22 @@ def test_dry_run_records_each_recipe(dry_run):
         sum(r["seconds"] for r in summary["recipes"]), abs=0.05
     )
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["summary.json"] + [r["log"] for r in summary["recipes"]]
+        ["summary.json", "results"] + [r["log"] for r in summary["recipes"]]
     ), "the earlier run's log must be gone"
+    assert sorted(p.name for p in (out / "results").iterdir()) == [
+        "failing_recipe.json",
+        "save_load_recipe.json",
+    ], "each recipe's results file, and no earlier run's"
 
 
 def test_dry_run_prints_one_line_per_recipe_and_the_total(dry_run):
     result, _, _ = dry_run
     table = result.stdout[result.stdout.index("\nrecipe ") + 1 :].splitlines()
     assert re.fullmatch(r"recipe +seconds +result", table[0])
-    assert re.fullmatch(r"save_load_recipe +\d+\.\d +pass", table[1])
+    assert re.fullmatch(r"save_load_recipe +\d+\.\d +pass  \| claims: 6 held", table[1])
     assert re.fullmatch(
         r"failing_recipe +\d+\.\d +fail \(exit status 1\)"
-        r"  \| failing_recipe: stall 12\.5 ms \(a summary line: the table shows it\)",
+        r"  \| claims: 1 held  \| stall_ms 12\.5",
         table[2],
     )
     assert re.fullmatch(
@@ -423,6 +434,4 @@ def test_a_torch_that_cannot_reuse_a_stager_gets_the_backport_and_says_so(tmp_pa
     assert f"gpu-check: with a backport, {expected}" in result.stdout
     (recipe,) = summary["recipes"]
     assert recipe["status"] == "pass"
-    assert recipe["summary_lines"] == [
-        "reused_stager_recipe: staged 3 times with one DefaultStager"
-    ]
+    assert recipe["headline"] == {"stages with one DefaultStager": 3}

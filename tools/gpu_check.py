@@ -4,9 +4,11 @@ Each recipe runs as ``python recipes_source/<recipe>.py`` with one rank per GPU
 (``DCP_RECIPES_WORLD_SIZE`` to use fewer), with the python that runs this tool:
 the one that has torch on this machine (``make gpu-check PY=/usr/bin/python3``).
 It needs no Sphinx. It writes ``_build/gpu-check/``: one ``<recipe>.log`` with
-each recipe's full output and one ``summary.json`` (each recipe's status,
-seconds and exit status, the torch version, the GPUs and their driver), and
-prints one line per recipe at the end. It exits non-zero if any recipe failed.
+each recipe's full output, each recipe's results file (``results/<recipe>.json``:
+every claim the page decided, and what it measured) and one ``summary.json``
+(each recipe's status, seconds and exit status, its claims by outcome and its
+``headline`` numbers, the torch version, the GPUs and their driver), and prints
+one line per recipe at the end. It exits non-zero if any recipe failed.
 
 The recipes come from ``dcp_site.RECIPE_ORDER``, then any
 ``recipes_source/*_recipe.py`` or ``*_benchmark.py`` not in it yet. A recipe
@@ -60,6 +62,8 @@ WORLD_SIZE_ENV = "DCP_RECIPES_WORLD_SIZE"
 RECIPE_GLOBS = ("*_recipe.py", "*_benchmark.py")
 NOT_RECIPES = frozenset({"rank_launcher.py"})
 SUMMARY_JSON = "summary.json"
+RESULTS_SUBDIR = "results"  # each recipe's results file (page_tools.results), by stem
+RESULTS_DIR_ENV = dcp_site.RESULTS_DIR_ENV
 DRY_RUN_DEVICE = "cpu (dry run)"
 # torch's own per-user folders in TMPDIR are not a recipe's leftovers.
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
@@ -288,7 +292,10 @@ def missing_modules(path: Path) -> list[str]:
             tops.append(node.module.split(".")[0])
     missing = []
     for top in dict.fromkeys(tops):
-        local = (path.parent / f"{top}.py").exists() or (RECIPES_DIR / f"{top}.py").exists()
+        local = any(
+            (where / f"{top}.py").exists() or (where / top / "__init__.py").exists()
+            for where in (path.parent, RECIPES_DIR)
+        )
         if not local and importlib.util.find_spec(top) is None:
             missing.append(top)
     return missing
@@ -312,10 +319,28 @@ def missing_module_in_output(output: str) -> str | None:
     return None
 
 
-def summary_lines(stem: str, output: str) -> list[str]:
-    """The lines a recipe prints for this table: ``<stem>: ...`` (rank label allowed)."""
-    pattern = re.compile(rf"^(?:\[rank\d+\] )?{re.escape(stem)}: ")
-    return [line.rstrip() for line in output.splitlines() if pattern.match(line)]
+def read_results(results_dir: Path, stem: str) -> tuple[dict | None, dict]:
+    """A recipe's ``headline`` value and the count of its claims by outcome, from the results
+    file it wrote (``page_tools.results``); (None, {}) if it wrote none."""
+    path = results_dir / f"{stem}.json"
+    if not path.exists():
+        return None, {}
+    data = json.loads(path.read_text())
+    outcomes = {"held": 0, "not measured": 0, "failed": 0}
+    for claim in data.get("claims", {}).values():
+        key = {True: "held", None: "not measured", False: "failed"}[claim["held"]]
+        outcomes[key] += 1
+    return data.get("values", {}).get("headline"), outcomes
+
+
+def headline_text(headline: dict | None) -> str:
+    """A headline as the table shows it: ``name value, ...``."""
+    if not headline:
+        return ""
+    if not isinstance(headline, dict):
+        return str(headline)
+    shown = (f"{v:.3g}" if isinstance(v, float) else str(v) for v in headline.values())
+    return ", ".join(f"{name} {value}" for name, value in zip(headline, shown, strict=True))
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -404,6 +429,7 @@ def run_recipe(
             "MPLBACKEND": "Agg",
             "TMPDIR": str(tmp),
             "PYTHONPATH": _pythonpath(env, *([BACKPORTS_DIR] if backports else []), RECIPES_DIR),
+            RESULTS_DIR_ENV: str(out_dir / RESULTS_SUBDIR),
         }
     )
     if dry_run:
@@ -435,7 +461,7 @@ def run_recipe(
                 code = proc.returncode
         output = log_path.read_text(errors="replace")
         result["exit_status"] = code
-        result["summary_lines"] = summary_lines(stem, output)
+        result["headline"], result["claims"] = read_results(out_dir / RESULTS_SUBDIR, stem)
         result["leftovers"] = sorted(
             [f"TMPDIR/{p.name}" for p in tmp.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
             + [f"cwd/{p.name}" for p in cwd.iterdir()]
@@ -466,7 +492,8 @@ def _new_result(path: Path, out_dir: Path) -> dict:
         "exit_status": None,
         "seconds": 0.0,
         "log": f"{path.stem}.log",
-        "summary_lines": [],
+        "headline": None,
+        "claims": {},
         "leftovers": [],
     }
 
@@ -497,6 +524,7 @@ def _clear_previous(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [*out_dir.glob("*.log"), out_dir / SUMMARY_JSON]:
         old.unlink(missing_ok=True)
+    shutil.rmtree(out_dir / RESULTS_SUBDIR, ignore_errors=True)
 
 
 def _write_summary(out_dir: Path, summary: dict) -> None:
@@ -510,7 +538,14 @@ def format_table(results: list[dict]) -> str:
     lines = [f"{'recipe':<{width}}  {'seconds':>8}  result"]
     for r in results:
         verdict = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
-        extra = "".join(f"  | {line}" for line in r["summary_lines"])
+        claims = r["claims"]
+        extra = f"  | claims: {claims['held']} held" if claims else ""
+        if claims.get("not measured"):
+            extra += f", {claims['not measured']} not measured here"
+        if claims.get("failed"):
+            extra += f", {claims['failed']} FAILED"
+        if r["headline"]:
+            extra += f"  | {headline_text(r['headline'])}"
         lines.append(f"{r['recipe']:<{width}}  {r['seconds']:8.1f}  {verdict}{extra}")
     total = sum(r["seconds"] for r in results)
     counts = {s: sum(r["status"] == s for r in results) for s in ("pass", "fail", "skipped")}
