@@ -256,6 +256,72 @@ def _write_page_package_zip(app: Sphinx, config) -> None:
 
 
 # --------------------------------------------------------------------------
+# The quick start on the landing page: a whole torchrun script, run twice per build
+# --------------------------------------------------------------------------
+
+QUICK_START = Path(SOURCE_DIR, "quick_start", "train.py")
+QUICK_START_OUTPUT = Path(GALLERY_DIR, "quick_start.out.txt")
+QUICK_START_NOT_RUN = "(not run in this build: `make html` runs it, twice, under torchrun)\n"
+
+
+def quick_start_command(confdir: str | os.PathLike, checkpoint_root: str) -> str:
+    """The quick start as the landing page shows it: run, then run again (it resumes)."""
+    import shlex
+    import sys
+
+    torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run"
+    run = f"{torchrun} --standalone --nproc-per-node=2 {QUICK_START} {checkpoint_root}"
+    return f"{run} && echo '--- the same command again ---' && {run}"
+
+
+def _start_quick_start(app: Sphinx) -> None:
+    """Run the quick start in the background while the gallery executes (``make html``)."""
+    import subprocess
+    import tempfile
+
+    output = Path(app.confdir, QUICK_START_OUTPUT)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(QUICK_START_NOT_RUN)
+    if not _selected_to_run(app, "quick_start"):  # make html-noplot, or a GALLERY_PATTERN
+        app._quick_start = None
+        return
+    scratch = tempfile.mkdtemp(prefix="dcp-quick-start-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for name in (STAMP_DIR_ENV, RESULTS_DIR_ENV):
+        env.pop(name, None)
+    app._quick_start = (
+        subprocess.Popen(
+            quick_start_command(app.confdir, os.path.join(scratch, "checkpoints")),
+            shell=True,
+            cwd=app.confdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        scratch,
+    )
+
+
+def _finish_quick_start(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read`` of the landing page: wait for the quick start and keep its output."""
+    running = getattr(app, "_quick_start", None)
+    if docname != "index" or running is None:
+        return
+    process, scratch = running
+    app._quick_start = None
+    try:
+        printed, _ = process.communicate(timeout=300)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if process.returncode != 0:
+        raise RuntimeError(f"the quick start failed (exit {process.returncode}):\n{printed}")
+    # torchrun's own notice about OMP_NUM_THREADS is not the script's output.
+    kept = [line for line in printed.splitlines() if not line.startswith("*" * 10)]
+    Path(app.confdir, QUICK_START_OUTPUT).write_text("\n".join(kept).strip() + "\n")
+
+
+# --------------------------------------------------------------------------
 # Downloads that run alone
 # --------------------------------------------------------------------------
 
@@ -562,6 +628,8 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
+    app.connect("builder-inited", _start_quick_start, priority=100)
+    app.connect("source-read", _finish_quick_start)
     app.connect("env-get-outdated", reread_recipe_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)

@@ -376,6 +376,19 @@ def test_page_work_lives_in_cells_of_its_own(source):
     assert _page_work_problems(source.read_text()) == []
 
 
+def test_quick_start_ran_twice_in_the_build_and_resumed(site):
+    """The landing page's quick start: the script ran under torchrun, then resumed."""
+    shown = soup(site / "index.html").get_text()
+    first, again = (
+        (ROOT / "recipes" / "quick_start.out.txt")
+        .read_text()
+        .split("--- the same command again ---")
+    )
+    assert "no checkpoint: starting at step 0" in first and "saved step-20" in first
+    assert "resuming from step-20" in again and "saved step-40" in again
+    assert "resuming from step-20" in shown, "the landing page shows this build's output"
+
+
 def test_site_chrome_is_this_sites_own(site):
     """No cookie banner or consent script, no other organisation's copyright, our footer."""
     for path in [site / "index.html", site / "launcher.html"] + [
