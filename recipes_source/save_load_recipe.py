@@ -42,6 +42,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import torch
@@ -341,23 +342,18 @@ def save_and_load_where_ranks_disagree(work_dir):
     print(f"saved into {os.path.basename(own_dir)}: {sorted(os.listdir(own_dir))}")
     logging.disable(logging.WARNING)  # DCP also logs each failed read, with a traceback
     outcomes = []
-    for what, path in [
-        ("rank 0's directory", os.path.join(work_dir, "rank0-only")),
-        ("its own directory", own_dir),
-    ]:
+    for what, path in [("rank 0's", os.path.join(work_dir, "rank0-only")), ("its own", own_dir)]:
         try:
             dcp.load(state_dict, checkpoint_id=path)
-            outcomes.append(f"every rank loads {what}: loaded")
+            outcomes.append(f"every rank loads {what} directory: loaded")
         except CheckpointException as error:  # a BaseException: name it
-            failures = [
-                f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(error.failures.items())
-            ]
-            outcomes.append(
-                f"every rank loads {what}: CheckpointException\n  " + "\n  ".join(failures)
-            )
+            failed = [f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in error.failures.items()]
+            outcomes.append(f"every rank loads {what} directory: CheckpointException")
+            outcomes += sorted(failed)
     logging.disable(logging.NOTSET)
     if rank == 0:  # every rank sees the same outcome
-        print("\n".join(outcomes).replace(work_dir, "..."))
+        for line in outcomes:
+            print(textwrap.fill(line.replace(work_dir, "..."), 78, subsequent_indent="    "))
     return outcomes
 
 
@@ -369,7 +365,11 @@ with ranks.at_least(2):
     outcomes = run_on_ranks(save_and_load_where_ranks_disagree, WORK_DIR)[0]
 results.claim(
     "disagreeing-directories-fail-at-load",
-    all("CheckpointException" in outcome for outcome in outcomes),
+    [line for line in outcomes if line.startswith("every rank")]
+    == [
+        f"every rank loads {what} directory: CheckpointException"
+        for what in ("rank 0's", "its own")
+    ],
     "both loads raised CheckpointException on every rank",
     outcomes=outcomes,
 )

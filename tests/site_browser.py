@@ -51,7 +51,7 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-VIEWPORT = {"width": 1366, "height": 900}
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen, as a reader reads
 PAGE_TIMEOUT_MS = 30_000
 # After "load", wait until the network has been quiet for 500 ms (async scripts, fonts),
 # but not longer than this: a page that keeps polling must not stall the test.
@@ -81,6 +81,12 @@ INSPECT_JS = """
       (el) => el.offsetParent !== null).length,
     header_links: [...document.querySelectorAll("div.dcp-page-links a[href]")].map(
       (a) => [a.innerText.trim(), a.href]),
+    // Output blocks and result tables wider than the column: the reader scrolls sideways.
+    overflowing: [...document.querySelectorAll(
+      "div.sphx-glr-script-out pre, table.dcp-results")].filter(
+      (el) => el.scrollWidth > (el.tagName === "TABLE" ? el.parentElement : el).clientWidth + 1
+    ).map((el) => `${el.tagName.toLowerCase()} ${el.scrollWidth}px: ` +
+      el.innerText.split("\\n").sort((a, b) => b.length - a.length)[0].slice(0, 80)),
   };
 }
 """
@@ -143,6 +149,8 @@ class PageReport:
     # The links under a recipe's title (download script, notebook, view source), with the
     # HTTP status each one answered when the browser fetched it.
     header_links: list = field(default_factory=list)
+    # Output blocks and result tables wider than their column, with their widest line.
+    overflowing: list = field(default_factory=list)
     copies: list[CopyCheck] = field(default_factory=list)
     console_errors: list[str] = field(default_factory=list)
     console_warnings: list[str] = field(default_factory=list)
@@ -194,6 +202,7 @@ class PageReport:
             f"  screenshot {self.screenshot}, {self.seconds:.1f} s",
             f"  cookie banners {self.cookie_banners}, footer visible {self.footer_visible},"
             f" header links {self.header_links}",
+            f"  overflowing sideways: {self.overflowing}",
         ]
         for check in self.copies:
             if not check.ok:

@@ -35,6 +35,7 @@ from dcp_site import (
     is_page_wrapper,
     launcher_code,
     notebook_launcher_cell,
+    page_metrics,
     page_names,
     recipe_only,
     reread_recipe_pages,
@@ -205,6 +206,7 @@ def launcher_source() -> str:
 def test_downloads_hold_the_recipe_and_the_launcher(site, name):
     script = page_download(name, ".py").read_text()
     assert "from rank_launcher import" not in script, "the download imports nothing of ours"
+    assert "page_tools" not in script and "sphinx_gallery_start_ignore" not in script
     assert launcher_code(launcher_source()) in script, "the launcher, verbatim, not a copy"
     assert script == standalone_script((RECIPES / f"{name}.py").read_text(), launcher_source())
     ast.parse(script)
@@ -389,6 +391,34 @@ def test_quick_start_ran_twice_in_the_build_and_resumed(site):
     assert "resuming from step-20" in shown, "the landing page shows this build's output"
 
 
+# The set-up every page needs: visible and self-contained on each page, and the same code on
+# every page that has it (only the sizes, WIDTH, DEPTH, BATCH and LR, differ).
+SHARED_PIECES = ("ToyModel", "AppState", "device_for_this_rank", "build_sharded_model")
+SHARED_PIECES += ("staging_options",)
+
+
+def test_shared_pieces_are_the_same_code_on_every_page():
+    versions: dict[str, dict[str, list[str]]] = {}
+    for source in RECIPE_SOURCES:
+        for node in ast.parse(source.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in SHARED_PIECES:
+                pages = versions.setdefault(node.name, {}).setdefault(ast.dump(node), [])
+                pages.append(source.stem)
+    assert set(versions) >= {"ToyModel", "AppState", "build_sharded_model"}
+    differing = {
+        name: list(by_code.values()) for name, by_code in versions.items() if len(by_code) > 1
+    }
+    assert differing == {}, "pages that define a shared piece differently, grouped by version"
+
+
+@pytest.mark.parametrize("source", RECIPE_SOURCES, ids=[p.stem for p in RECIPE_SOURCES])
+def test_a_page_is_a_recipe_not_a_test_harness(source):
+    """At most 600 lines; hidden code (with its markers) at most 10% of the code lines."""
+    metrics = page_metrics(source.read_text())
+    assert metrics["lines"] <= 600, metrics
+    assert metrics["hidden_lines"] <= 0.1 * metrics["code_lines"], metrics
+
+
 def test_site_chrome_is_this_sites_own(site):
     """No cookie banner or consent script, no other organisation's copyright, our footer."""
     for path in [site / "index.html", site / "launcher.html"] + [
@@ -503,6 +533,8 @@ def test_pages_in_a_browser(site):
         assert Path(report.screenshot).exists() or (ROOT / "_build" / report.screenshot).exists()
     for report in reports:
         assert report.cookie_banners == 0 and report.footer_visible, report.summary()
+    overflowing = {report.page: report.overflowing for report in reports if report.overflowing}
+    assert overflowing == {}, "output wider than the column at 1280 px"
     for report in reports[1:]:
         assert report.has_output, report.summary()
         assert report.run_stamp.startswith("Last executed"), report.summary()
