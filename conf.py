@@ -81,6 +81,10 @@ html_theme_options = {
     "article_header_end": [],
     "article_footer_items": [],
     "analytics_id": "",
+    # llms.txt lists the pages; a Markdown copy of every page (and llms-full.txt, made of
+    # them) would cost each build about 5 s, half of a warm `make html-noplot`.
+    "llm_generate_md": "false",
+    "llm_generate_full": "false",
 }
 html_context = {
     "theme_variables": pytorch_sphinx_theme2.get_theme_variables(),
