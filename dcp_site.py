@@ -625,6 +625,39 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     ]
 
 
+def mark_page_work(app: Sphinx, doctree) -> None:
+    """``doctree-read``: give a recipe page's own cells (its proofs, its measurements) the
+    class ``dcp-page-work``, so that a reader tells them from the recipe at a glance."""
+    docname = app.env.docname
+    if not docname.startswith(f"{GALLERY_DIR}/"):
+        return
+    source = Path(app.confdir, SOURCE_DIR, f"{docname.split('/', 1)[1]}.py")
+    if not source.exists():
+        return
+    from docutils import nodes
+
+    names = page_names(source.read_text())
+    for block in list(doctree.findall(nodes.literal_block)):
+        code = block.astext()
+        if block.get("language", "").lower() != "python" or not _only_page_work(code, names):
+            continue
+        # A container: Sphinx-Gallery replaces the block itself when it links its names.
+        wrapper = nodes.container(classes=["dcp-page-work"])
+        block.replace_self(wrapper)
+        wrapper += block
+
+
+def _only_page_work(code: str, names: set[str]) -> bool:
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    body = tree.body
+    return bool(body) and all(
+        is_page_statement(n, names) or is_page_wrapper(n, names) for n in body
+    )
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
@@ -635,4 +668,5 @@ def setup(app: Sphinx) -> dict:
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)
     app.connect("source-read", insert_page_header)
+    app.connect("doctree-read", mark_page_work)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
