@@ -355,8 +355,10 @@ timing.wait_outcome(
 # -----------------------------------------------
 # In your own job ``torchrun`` starts the ranks, and ``main()`` does what
 # ``run_on_ranks`` did above: set this rank's device, create the process
-# group, save (here the copy of the dict, rule 5, and the failing save, rule
-# 8), and destroy the group. The checkpoint directory is a path that every
+# group, save the ways this page recommends (a copy of a dict the loop keeps
+# changing, rule 5; the live tensors, so that the stager copies into the same
+# host buffers every time), each save awaited with ``upload_completion``
+# (rule 8), and destroy the group. The checkpoint directory is a path that every
 # rank sees (``shared_tempdir`` made one here; on several machines, a shared
 # file system). Save it as ``train.py`` with the functions above, and:
 #
@@ -373,8 +375,8 @@ def main(checkpoint_root):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
-        save_then_change(os.path.join(checkpoint_root, "a-copy"), pass_a_copy=True)
-        save_something_the_stager_cannot_copy(os.path.join(checkpoint_root, "unstageable"))
+        save_then_change(os.path.join(checkpoint_root, "a-copy"), pass_a_copy=True)  # rule 5
+        save_twice(os.path.join(checkpoint_root, "live"), fresh_tensors=False)  # one host copy
         dist.barrier()  # rule 9: every rank's uploads are done
     finally:
         dist.destroy_process_group()

@@ -73,9 +73,6 @@ class Span:
     def seconds(self) -> float:
         return self.end - self.start
 
-    def within(self, other: Span) -> bool:
-        return other.start <= self.start and self.end <= other.end and self is not other
-
 
 def _synchronize() -> None:
     if torch.accelerator.is_available():
