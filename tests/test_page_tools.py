@@ -263,3 +263,381 @@ def test_the_package_imports_without_a_site_build():
     code = "import page_tools.proofs, page_tools.results, page_tools.stats, page_tools.figures"
     env = dict(os.environ, PYTHONPATH=str(RECIPES))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd="/")
+
+
+# --------------------------------------------------------------------------
+# default_stager_recipe and stager_copies_recipe: timing, memory, faults, figures
+# --------------------------------------------------------------------------
+
+import concurrent.futures  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from page_tools import faults, memory, timing  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+
+SYNC = StagingOptions(False, False, False, False)
+ASYNC = StagingOptions(False, False, True, False)
+
+
+def test_timed_records_spans_with_thread_and_error_and_restores():
+    original = Base.static
+    with timing.timed(Base, "static", "plus one", detail=lambda call: {"got": call.result}) as w:
+        assert Base.static(1) == 2
+        worker = threading.Thread(target=Base.static, args=(4,), name="worker")
+        worker.start()
+        worker.join()
+        with pytest.raises(TypeError):
+            Base.static(None)
+    first, second, third = w.by_rank[0]
+    assert (first.what, first.thread, first.main, first.detail) == (
+        "plus one",
+        threading.main_thread().name,
+        True,
+        {"got": 2},
+    )
+    assert (second.thread, second.main, second.detail) == ("worker", False, {"got": 5})
+    assert third.error.startswith("TypeError") and third.detail == {}
+    assert first.start <= first.end <= second.start
+    assert Base.static is original and isinstance(vars(Base)["static"], staticmethod)
+
+
+def test_timed_labels_by_call_and_skips_what_it_does_not_label():
+    label = lambda call: "big" if call.args[0] > 10 else None  # noqa: E731
+    with timing.timed(Base, "static", label, where=timing.on_main_thread) as w:
+        Base.static(1), Base.static(20)
+    assert [s.what for s in w.by_rank[0]] == ["big"]
+
+
+def test_timed_keeps_an_optimizer_step_hooked_once():
+    """functools.wraps copies ``hooked``: an optimizer made inside the block does not wrap the
+    watched step again, so its step hooks run once per step."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    torch.optim.Adam([param])  # hooks Adam.step, as any earlier page cell would
+    original = torch.optim.Adam.step
+    with timing.timed(torch.optim.Adam, "step", "optimizer.step") as steps:
+        optimizer = torch.optim.Adam([param])
+        calls = []
+        optimizer.register_step_pre_hook(lambda *a: calls.append(1))
+        param.grad = torch.ones(2)
+        optimizer.step()
+    assert calls == [1] and len(steps.by_rank[0]) == 1
+    assert torch.optim.Adam.step is original
+
+
+def span(what, start, end, thread="MainThread", main=True, **detail):
+    return timing.Span(what, thread, main, start, end, None, detail)
+
+
+def synthetic_loop(copy_end=1.5):
+    """A save at step 0 (awaited), two steps, a save after step 1 whose copy ends at
+    ``copy_end``, the wait for it in step 2, and the last wait."""
+    spans = [
+        span("optimizer.step", 0.0, 0.1),  # the zero-lr step of get_state_dict
+        span("async_save", 0.2, 0.3, response="AsyncSaveResponse"),
+        span("staging", 0.25, 0.4, thread="stager", main=False),
+        span("wait for upload", 0.3, 0.6),
+        span("upload", 0.4, 0.6, thread="upload", main=False),
+        span("forward", 1.0, 1.1),
+        span("backward", 1.1, 1.2),
+        span("wait for staging", 1.2, 1.2),
+        span("optimizer.step", 1.2, 1.3),
+        span("wait for upload", 1.3, 1.3),
+        span("async_save", 1.3, 1.35, response="AsyncSaveResponse"),
+        span("staging", 1.31, copy_end, thread="stager", main=False),
+        span("upload", copy_end, 2.0, thread="upload", main=False),
+        span("forward", 1.4, 1.5),
+        span("backward", 1.5, 1.6),
+        span("wait for staging", 1.6, max(1.6, copy_end)),
+        span("optimizer.step", max(1.6, copy_end), max(1.6, copy_end) + 0.1),
+        span("wait for upload", 2.5, 2.6),
+    ]
+    return timing.CheckpointLoop({0: sorted(spans, key=lambda s: s.start)})
+
+
+def test_a_loop_is_read_into_steps_and_saves():
+    loop = synthetic_loop(copy_end=1.45)
+    steps = [(n, s.what) for n, s in loop.training(0)]
+    assert steps[:4] == [(0, "optimizer.step"), (0, "async_save"), (0, "wait for upload")] + [
+        (1, "forward")
+    ]
+    first, second = loop.saves(0)
+    assert (first.step, second.step, second.response) == (0, 1, "AsyncSaveResponse")
+    assert second.staging.end == 1.45 and second.upload.start == 1.45
+    assert second.waited_for_staging == pytest.approx(0.0) and second.waited_before == 0.0
+    assert second.blocked == pytest.approx(0.05)
+    assert second.beside_compute == pytest.approx(0.05)  # 1.4 to 1.45, beside the forward pass
+    assert loop.blocked_ms([1]) == [pytest.approx(50.0)]
+    assert loop.step_ms(0) == [pytest.approx(400.0), pytest.approx(300.0)]
+    assert loop.counts(0)["optimizer.step"] == 3
+    rows = loop.save_rows(0, [1])
+    assert rows[0][0] == 1 and rows[0][2] == "10.0\u2011150.0" and rows[0][-1] == 50.0
+    bars, marks = loop.bars(0)
+    assert marks == [(pytest.approx(300.0), "save 1")]
+    assert ("upload", "upload", pytest.approx(450.0), pytest.approx(1000.0)) in bars
+
+
+def test_loop_claims_hold_and_fail_on_the_timeline(tmp_path, monkeypatch):
+    monkeypatch.delenv(results.RESULTS_DIR_ENV, raising=False)
+    timing.steps_wait_for_staging("waits", synthetic_loop(copy_end=1.7))
+    timing.copy_beside_next_step("beside", synthetic_loop(copy_end=1.7))
+    late = synthetic_loop(copy_end=1.7)
+    late.by_rank[0] = [s for s in late.by_rank[0] if s.what != "wait for staging"]
+    step = next(s for n, s in late.training(0) if (s.what, n) == ("optimizer.step", 2))
+    step.start = 1.65  # the step began before the copy ended
+    with pytest.raises(results.ClaimFailed, match="'waits' does not hold"):
+        timing.steps_wait_for_staging("waits", late)
+    done_inside = synthetic_loop(copy_end=1.33)  # the copy ended inside the call
+    with pytest.raises(results.ClaimFailed, match="'beside' does not hold"):
+        timing.copy_beside_next_step("beside", done_inside)
+
+
+def test_returned_types_and_errors_are_read_from_the_spans():
+    loop = synthetic_loop()
+    timing.returned_types("types", {"DS": loop}, {"DS": "AsyncSaveResponse"})
+    with pytest.raises(results.ClaimFailed):
+        timing.returned_types("types", {"DS": loop}, {"DS": "Future"})
+    failed = timing.Span("wait for upload", "MainThread", True, 0, 1, "TypeError: no")
+    waits = timing.CheckpointLoop({0: [span("wait for staging", 0, 1), failed]})
+    assert timing.wait_outcomes(waits) == {
+        0: {"wait for staging": None, "wait for upload": "TypeError: no"}
+    }
+    assert timing.errors(observe.Calls({0: [failed]})) == ["TypeError: no"]
+
+
+def test_copies_stopped_by_close_is_decided_from_the_threads_around_it():
+    loop = synthetic_loop()
+    around = {
+        "before": observe.Calls({0: [["MainThread", "stager"]]}),
+        "after": observe.Calls({0: [["MainThread"]]}),
+    }
+    timing.copies_stopped_by("stopped", loop, around)
+    around["after"] = observe.Calls({0: [["MainThread", "stager"]]})
+    with pytest.raises(results.ClaimFailed):
+        timing.copies_stopped_by("stopped", loop, around)
+
+
+def test_compare_loops_renders_verdicts_and_a_table():
+    slow, fast = synthetic_loop(copy_end=1.7), synthetic_loop(copy_end=1.45)
+    comparison = timing.compare_loops({"plain": slow, "stager": fast}, [1])
+    assert comparison.blocked == {"plain": [pytest.approx(150.0)], "stager": [pytest.approx(50.0)]}
+    assert comparison.sentences()[0].startswith(
+        "Blocked per save (slowest rank): stager: 100 ms less"
+    )
+    assert comparison.record()["blocked_ms"]["within_noise"] is False
+    assert comparison.loop_seconds("stager") == pytest.approx(0.7)
+    table = str(timing.comparison_table(comparison))
+    assert "median blocked per save (ms)" in table and "steps 1 to 2 (s, rank 0)" in table
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_loop_watches_a_real_save_and_restores_everything(tmp_path):
+    originals = [
+        dcp.async_save,
+        torch.Tensor.backward,
+        torch.optim.Adam.step,
+        concurrent.futures.Future.result,
+        DefaultStager._stage,
+    ]
+    model = torch.nn.Linear(4, 4)
+    with timing.checkpoint_loop(torch.nn.Linear) as loop:
+        stager = DefaultStager(ASYNC)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        response = dcp.async_save(
+            {"m": model.state_dict()}, checkpoint_id=str(tmp_path / "c"), async_stager=stager
+        )
+        response.staging_completion.result()
+        response.upload_completion.result()
+        stager.close()
+    names = [s.what for s in loop.by_rank[0]]
+    for what in ("forward", "backward", "optimizer.step", "async_save", "staging", "upload"):
+        assert what in names, names
+    assert names.count("wait for staging") == names.count("wait for upload") == 1
+    staging = next(s for s in loop.by_rank[0] if s.what == "staging")
+    assert not staging.main and loop.saves(0)[0].response == "AsyncSaveResponse"
+    assert [
+        dcp.async_save,
+        torch.Tensor.backward,
+        torch.optim.Adam.step,
+        concurrent.futures.Future.result,
+        DefaultStager._stage,
+    ] == originals
+    assert "__call__" not in vars(torch.nn.Linear)
+
+
+def test_profiled_runs_between_two_calls_writes_a_trace_and_restores(tmp_path, capfd):
+    originals = (Child.own, Base.inherited)
+    path = tmp_path / "page.trace.json"
+    with timing.profiled((Child, "own"), (Base, "inherited"), path) as profile:
+        Child().own()
+        with torch.profiler.record_function("inside"):
+            torch.ones(3).sum()
+        Base().inherited()
+        with torch.profiler.record_function("after the stop"):
+            torch.ones(3).sum()
+    assert profile.written and profile.ranks == [0]
+    summary = timing.trace_summary(path, training="inside")
+    assert summary["training_thread"].get("inside") == 1
+    assert "after the stop" not in {**summary["training_thread"], **summary["other_threads"]}
+    assert "USDT" not in capfd.readouterr().err, "the profiler's own log lines are not shown"
+    assert (Child.own, Base.inherited) == originals and "inherited" not in vars(Child)
+
+
+def test_trace_claims_count_ranges_and_gpu_streams(tmp_path, capsys):
+    loop = synthetic_loop()
+    summary = {
+        "training_thread": {**loop.counts(0)},
+        "other_threads": {"staging": 2, "upload": 2},
+        "kernels_by_stream": {},
+        "copies_to_host": [],
+    }
+    timing.trace_holds_timeline("trace", {"DS": summary}, {"DS": loop}, "DS")
+    with pytest.raises(results.ClaimFailed):
+        timing.trace_holds_timeline(
+            "trace", {"DS": {**summary, "training_thread": {"forward": 1}}}, {"DS": loop}, "DS"
+        )
+    assert "training thread" in str(timing.trace_table({"DS": summary}))
+    timing.copies_off_the_compute_stream("gpu", summary, on_gpu=False)
+    assert "not measured here" in capsys.readouterr().out
+    gpu = {
+        **summary,
+        "kernels_by_stream": {"7": 90, "13": 2},
+        "copies_to_host": [{"stream": "13", "memory": "Pinned", "count": 24}],
+    }
+    timing.copies_off_the_compute_stream("gpu", gpu, on_gpu=True)
+    assert "on stream 13 (2 kernels): 24" in capsys.readouterr().out
+    on_compute = {**gpu, "copies_to_host": [{"stream": "7", "memory": "Pinned", "count": 24}]}
+    with pytest.raises(results.ClaimFailed):
+        timing.copies_off_the_compute_stream("gpu", on_compute, on_gpu=True)
+
+
+def test_trace_summary_reads_ranges_by_thread_kernels_and_copies(tmp_path):
+    events = [
+        {"cat": "user_annotation", "ph": "X", "name": "forward", "tid": 1},
+        {"cat": "user_annotation", "ph": "X", "name": "staging", "tid": 2},
+        {"cat": "kernel", "name": "gemm", "args": {"stream": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "args": {"stream": 13}},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"stream": 7}},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = timing.trace_summary(path)
+    assert summary["training_thread"] == {"forward": 1}
+    assert summary["other_threads"] == {"staging": 1}
+    assert summary["kernels_by_stream"] == {"7": 1}
+    assert summary["copies_to_host"] == [{"stream": "13", "memory": "Pinned", "count": 1}]
+    assert timing.gpu_streams(summary)["copies_to_host"][0]["compute"] is False
+
+
+def test_host_copies_tell_reused_buffers_from_new_ones_and_restore():
+    original = DefaultStager._stage
+    live = {"w": torch.ones(8), "b": torch.zeros(2)}
+    with memory.host_copies() as copies:
+        stager = DefaultStager(SYNC)
+        stager.stage(live), stager.stage(live)  # the same source tensors: the same copies
+        for _ in range(2):
+            stager.stage({name: tensor.clone() for name, tensor in live.items()})
+        stager.close()
+    records = copies.by_rank[0]
+    assert [len(r["storages"]) for r in records] == [2, 2, 2, 2]
+    assert memory.megabytes(records[0]) == pytest.approx(40 / 1e6)
+    live_pair, clone_pair = memory.save_pairs(copies)
+    assert live_pair["reused"] == [True] and clone_pair["reused"] == [False]
+    assert clone_pair["cached"] == [4], "both clones' sources are alive in this test"
+    assert DefaultStager._stage is original
+    memory.reused_at_every_save("reuse", observe.Calls({0: records[:2]}))
+    with pytest.raises(results.ClaimFailed):
+        memory.reused_at_every_save("reuse", observe.Calls({0: records[2:]}))
+
+
+def test_staging_held_until_the_next_wait_copies_what_the_dict_holds_then():
+    originals = (DefaultStager.stage, concurrent.futures.Future.result)
+    progress = {"samples": torch.tensor(300)}
+    with faults.staging_held_until() as released:
+        stager = DefaultStager(ASYNC)
+        future = stager.stage({"progress": progress})
+        time.sleep(0.2)  # free to copy now, the copy would be done
+        progress["samples"] = torch.tensor(400)  # a new value in the same dict
+        staged = future.result()  # the cue: the copy starts now
+        stager.close()
+    assert staged["progress"]["samples"].item() == 400, "the copy ran after the change"
+    assert released.by_rank == {0: [1]}
+    assert (DefaultStager.stage, concurrent.futures.Future.result) == originals
+
+
+def test_staging_done_before_returning_and_restored():
+    original = DefaultStager.stage
+    with faults.staging_done_before_returning():
+        stager = DefaultStager(ASYNC)
+        future = stager.stage({"w": torch.ones(2)})
+        assert future.done()
+        stager.close()
+    assert DefaultStager.stage is original
+
+
+def test_timelines_draw_one_bar_per_span_on_its_row():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [("a", "x", 0.0, 1.0), ("b", "y", 1.0, 3.0)]
+    figure = figures.timelines(
+        [("one", bars, [(0.5, "mark")]), ("two", bars[:1], [])],
+        rows=["a", "b"],
+        colors={"x": "red", "y": "blue"},
+        xlabel="ms",
+    )
+    top, bottom = figure.axes
+    assert len(top.collections) == 2 and len(bottom.collections) == 1
+    assert top.get_title(loc="left") == "one" and bottom.get_xlim()[1] == pytest.approx(3.06)
+    assert [t.get_text() for t in top.texts] == ["mark"]
+    plt.close(figure)
+
+
+def test_say_wraps_to_the_page_column(capsys):
+    figures.say("word " * 40)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 1 and all(len(line) <= figures.WIDTH for line in lines)
+    assert lines[1].startswith("  word")
+
+
+def test_nth_is_one_call_of_every_rank():
+    calls = observe.Calls({1: ["b0", "b1"], 0: ["a0", "a1"]})
+    assert calls.nth(0) == ["a0", "b0"] and calls.nth(-1) == ["a1", "b1"]
+
+
+def test_value_is_reads_a_dotted_name_of_every_ranks_state(capsys):
+    snapshots = [proofs.snapshot({"step": 3, "progress": {"n": 400}}) for _ in range(2)]
+    assert proofs.value_is("n", snapshots, "progress.n", 400, "by reference") == 400
+    assert capsys.readouterr().out == "by reference: progress.n=400\n"
+    with pytest.raises(results.ClaimFailed):
+        proofs.value_is("n", snapshots, "progress.n", 300, "a copy")
+
+
+def test_pair_claims_and_table():
+    reused = {"storages": 2, "megabytes": 4.2, "reused": [True, True], "cached": [2, 2]}
+    fresh = {**reused, "reused": [False, True], "cached": [4, 2]}
+    memory.second_save_reused("live", reused, True, "live")
+    with pytest.raises(results.ClaimFailed):
+        memory.second_save_reused("clones", fresh, False, "clones")  # rank 1 reused
+    memory.cache_holds_one_save("cache", reused, "live")
+    with pytest.raises(results.ClaimFailed):
+        memory.cache_holds_one_save("cache", fresh, "clones")
+    assert str(memory.pairs_table({"live": reused})).splitlines()[1].split() == [
+        "live",
+        "2",
+        "4.2",
+        "True",
+        "2",
+    ]
+
+
+def test_wait_outcome_decides_on_every_rank():
+    failed = timing.Span("wait for upload", "MainThread", True, 0, 1, "TypeError: no pickle")
+    loop = timing.CheckpointLoop({0: [span("wait for staging", 0, 1), failed], 1: [failed]})
+    timing.wait_outcome("raised", loop, "wait for upload", "TypeError", "upload")
+    with pytest.raises(results.ClaimFailed):  # rank 1 never waited for staging
+        timing.wait_outcome("returned", loop, "wait for staging", None, "staging")

@@ -9,6 +9,7 @@ logs and for ``make gpu-check``.
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,3 +58,59 @@ class Table:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+WIDTH = 88  # a page's output column, in characters
+
+
+def say(*lines: str, width: int = WIDTH) -> None:
+    """Print each line, wrapped to the page's column (continuations indented)."""
+    for line in lines:
+        print(textwrap.fill(line, width, subsequent_indent="  ", break_on_hyphens=False))
+
+
+# --------------------------------------------------------------------------
+# Timelines
+# --------------------------------------------------------------------------
+
+
+def timelines(
+    panels: Sequence[tuple[str, Sequence[tuple[str, str, float, float]], Sequence[tuple]]],
+    rows: Sequence[str],
+    colors: dict[str, str],
+    xlabel: str,
+    figsize: tuple[float, float] = (10, 5),
+):
+    """One horizontal timeline per panel, stacked, sharing their time axis.
+
+    Each panel is ``(title, bars, marks)``: a bar ``(row, what, start, end)`` is drawn on
+    the row of that name, in the colour of ``what``; a mark ``(x, label)`` is written
+    above the first row. Time starts at 0; the legend names every colour. Returns the
+    matplotlib figure (a page cell that makes it shows it).
+    """
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(panels), 1, figsize=figsize, sharex=True, squeeze=False)
+    where = {row: i for i, row in enumerate(rows)}
+    latest = 0.0
+    for axis, (title, bars, marks) in zip(axes[:, 0], panels, strict=True):
+        for row, what, start, end in bars:
+            axis.broken_barh([(start, end - start)], (where[row] - 0.4, 0.8), color=colors[what])
+            latest = max(latest, end)
+        for x, label in marks:
+            axis.annotate(label, (x, -0.45), ha="center", va="bottom", fontsize=8)
+        axis.set_yticks(range(len(rows)), [row.replace(" ", "\n", 1) for row in rows])
+        axis.set_ylim(len(rows) - 0.4, -1.1)  # the first row on top
+        axis.set_title(title, loc="left", fontsize=10)
+    axes[-1, 0].set_xlim(0, 1.02 * latest or 1)
+    axes[-1, 0].set_xlabel(xlabel)
+    figure.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=color) for color in colors.values()],
+        labels=list(colors),
+        loc="lower center",
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    figure.tight_layout(rect=(0, 0.1, 1, 1))
+    return figure

@@ -76,6 +76,10 @@ class Calls:
         """The last record of every rank, in rank order."""
         return [records[-1] for _, records in sorted(self.by_rank.items()) if records]
 
+    def nth(self, index: int) -> list[Any]:
+        """Record ``index`` (call order) of every rank, in rank order: one save of several."""
+        return [records[index] for _, records in sorted(self.by_rank.items())]
+
     def count(self) -> int:
         return sum(len(records) for records in self.by_rank.values())
 

@@ -228,3 +228,12 @@ def reads_file(suffix: str) -> Callable[[observe.Call], bool]:
     """For ``where=``: a call whose first argument is a path ending in ``suffix`` (``torch.load``
     of a file, not of the bytes DCP reads with it)."""
     return lambda call: str(call.argument(0, "f")).endswith(suffix)
+
+
+def value_is(claim: str, state: Any, name: str, expected: Any, what: str, **evidence: Any) -> Any:
+    """Decide that the value ``name`` (a dotted name, ``progress.samples_seen``) of a state
+    (as ``same_state`` takes it: a watch's records, snapshots, a state dict) is ``expected``,
+    and say what it is."""
+    value = whole_state(state).get(name)
+    results.claim(claim, value == expected, f"{what}: {name}={value}", value=value, **evidence)
+    return value

@@ -1,0 +1,89 @@
+"""The page on what DefaultStager copies, and when: what the build proved, and its download.
+
+The build decides every claim (the page holds each race to one outcome, with
+``page_tools.faults``, so that it is the same on every build) and keeps the evidence in
+its results file; the tests read it. The download runs the same code without the holds,
+as a reader runs it: what is not a race must come out as on the page.
+"""
+
+from __future__ import annotations
+
+import pytest
+from recipe_runner import (
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    numbers_in,
+    page_outputs,
+)
+
+RECIPE = "stager_copies_recipe"
+# What is the same whoever wins the race: the int and the copy of the dict.
+FIXED_AT_THE_CALL = (
+    r"^\[rank0\] passed dict\(progress\): the loop now has step=4, progress=\{.*\}\n"
+    r"\[rank0\]   the checkpoint holds step=3, progress=\{'samples_seen': 300\}$"
+)
+UPLOAD_RAISED = (
+    r"^\[rank(\d)\] upload_completion\.result\(\) raised TypeError: "
+    r"cannot pickle 'generator' object$"
+)
+
+
+@pytest.fixture(scope="module")
+def claims():
+    return build_results(RECIPE)["claims"]
+
+
+def test_values_are_fixed_at_the_call_and_containers_later(claims):
+    assert claims["int-fixed-at-the-call"]["evidence"]["value"] == 3
+    assert claims["dict-by-reference-copied-later"]["evidence"]["value"] == 400
+    assert claims["copy-of-the-dict-fixed-at-the-call"]["evidence"]["value"] == 300
+    # The page's hold let each copy go at the loop's next wait, one copy at a time.
+    assert claims["int-fixed-at-the-call"]["evidence"]["released"] == {"0": [1, 1], "1": [1, 1]}
+
+
+def test_live_tensors_reuse_the_host_buffers_and_clones_do_not(claims):
+    assert claims["live-tensors-reuse-host-buffers"]["evidence"]["reused"] == [True, True]
+    assert claims["clones-get-new-host-buffers"]["evidence"]["reused"] == [False, False]
+    # A weight and a bias: the first clones' two entries went with them.
+    assert claims["freed-clones-leave-the-cache"]["evidence"]["cached"] == [2, 2]
+
+
+def test_a_staging_error_is_raised_by_upload_completion(claims):
+    waits = claims["upload-completion-raises-the-staging-error"]["evidence"]["waits"]
+    assert set(waits) == {"0", "1"}
+    for wait in waits.values():
+        assert wait["wait for staging"] is None, "staging_completion reported success"
+        assert wait["wait for upload"] == "TypeError: cannot pickle 'generator' object"
+
+
+def test_the_default_options_need_an_accelerator(claims):
+    outcome = claims["default-options-need-an-accelerator"]
+    assert outcome["held"] is True
+    raised = outcome["evidence"]["raised"]
+    assert raised == [None] or raised[0].startswith("AssertionError: Non-blocking copy")
+
+
+def test_download_computes_what_the_page_shows(recipe_runner):
+    """Without the page's holds the dict passed by reference is a race; the rest is not."""
+    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    shown = "".join(page_outputs(RECIPE))
+    assert numbers_in(output, FIXED_AT_THE_CALL) == numbers_in(shown, FIXED_AT_THE_CALL) != []
+    assert sorted(numbers_in(output, UPLOAD_RAISED)) == ["0", "1"]
+    assert "saved clones of the weights twice: ['save-0', 'save-1']" in output
+    # In the recipe's cell and in main(), run as torchrun would run it.
+    assert output.count("[rank0] saved the live weights twice: ['save-0', 'save-1']") == 2
+    assert "page_tools" not in output and "differ" not in output, "the proofs are the build's"
+    assert_no_traceback(output)
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
+
+
+def test_download_under_torchrun(recipe_runner):
+    output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
+    # Once in the recipe's cell, once in main(): both under torchrun's ranks.
+    assert len(numbers_in(output, FIXED_AT_THE_CALL)) == 2
+    assert output.count("[rank0] saved the live weights twice: ['save-0', 'save-1']") == 2
+    assert sorted(numbers_in(output, UPLOAD_RAISED)) == ["0", "1"]
+    assert_no_traceback(output)
+    assert recipe_runner.leftovers() == []
