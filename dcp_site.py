@@ -353,9 +353,13 @@ _HIDDEN_BLOCK = re.compile(
 
 
 def page_names(code: str) -> set[str]:
-    """The names a recipe binds to the page package (``from page_tools import proofs``)."""
+    """The names that belong to the page's own work: those a recipe binds to the page
+    package (``from page_tools import proofs``), then, in order, every name a page
+    statement binds (``with proofs.state_after(...) as loaded``, ``table = figures...``):
+    a statement that uses one of them is page work too, and leaves the downloads."""
+    tree = ast.parse(code)
     names = {PAGE_PACKAGE}
-    for node in ast.walk(ast.parse(code)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PAGE_PACKAGE:
             names |= {alias.asname or alias.name for alias in node.names}
         elif isinstance(node, ast.Import):
@@ -364,6 +368,19 @@ def page_names(code: str) -> set[str]:
                 for alias in node.names
                 if alias.name.split(".")[0] == PAGE_PACKAGE
             }
+    for node in tree.body:
+        if is_page_wrapper(node, names):
+            bound = [item.optional_vars for item in node.items if item.optional_vars is not None]
+        elif is_page_statement(node, names) and not _is_page_import(node):
+            bound = [node]
+        else:
+            continue
+        names |= {
+            sub.id
+            for target in bound
+            for sub in ast.walk(target)
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)
+        }
     return names
 
 

@@ -302,6 +302,8 @@ with proofs.state_given_to(os, "getcwd") as saved:
 # %%
 
 proofs.same_state("claim", saved, saved, "the same")
+ranks_seen = len(saved.by_rank)  # uses only a name the page's own work bound: page work too
+print(ranks_seen)
 '''
 
 RECIPE_ONLY_FIXTURE = '''\
