@@ -336,12 +336,7 @@ def test_downloads_leave_the_pages_own_work_out():
 def _page_work_problems(source: str) -> list[str]:
     """Where a recipe uses page_tools other than in cells of its own, at top level."""
     tree = ast.parse(source)
-    names = {"page_tools"} | {
-        alias.asname or alias.name
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("page_tools")
-        for alias in node.names
-    }
+    names = page_names(source)
     problems = [
         f"line {node.lineno}: {node.name} uses the page package: visible functions are recipe code"
         for node in ast.walk(tree)
