@@ -352,7 +352,13 @@ _HIDDEN_BLOCK = re.compile(
 )
 
 
-def page_names(code: str) -> set[str]:
+class PageNames(set):
+    """The page's names (``page_names``); ``package``: those bound to the package itself."""
+
+    package: frozenset[str] = frozenset()
+
+
+def page_names(code: str) -> PageNames:
     """The names that belong to the page's own work: those a recipe binds to the page
     package (``from page_tools import proofs``), then, in order, every name a page
     statement binds (``with proofs.state_after(...) as loaded``, ``table = figures...``):
@@ -368,6 +374,8 @@ def page_names(code: str) -> set[str]:
                 for alias in node.names
                 if alias.name.split(".")[0] == PAGE_PACKAGE
             }
+    names = PageNames(names)
+    names.package = frozenset(names)
     for node in tree.body:
         if is_page_wrapper(node, names):
             bound = [item.optional_vars for item in node.items if item.optional_vars is not None]
@@ -397,7 +405,10 @@ def _is_page_import(node: ast.stmt) -> bool:
 
 
 def is_page_statement(node: ast.stmt, names: set[str]) -> bool:
-    """A statement that is the page's work: it imports or uses the page package."""
+    """A statement that is the page's work: it imports or uses the page package (or a name
+    the page's work bound; a function or class has names of its own: only the package's)."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return _uses(node, getattr(names, "package", names))
     return _is_page_import(node) or _uses(node, names)
 
 

@@ -341,7 +341,7 @@ def _page_work_problems(source: str) -> list[str]:
         f"line {node.lineno}: {node.name} uses the page package: visible functions are recipe code"
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.ClassDef)
-        and any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+        and any(isinstance(sub, ast.Name) and sub.id in names.package for sub in ast.walk(node))
     ]
     for lineno, code in code_blocks_of(source):
         body = ast.parse(code).body
