@@ -207,6 +207,14 @@ def test_downloads_hold_the_recipe_and_the_launcher(site, name):
     script = page_download(name, ".py").read_text()
     assert "from rank_launcher import" not in script, "the download imports nothing of ours"
     assert "page_tools" not in script and "sphinx_gallery_start_ignore" not in script
+    defined = {
+        n.name for n in ast.parse(script).body if isinstance(n, ast.FunctionDef | ast.ClassDef)
+    }
+    source = ast.parse((RECIPES / f"{name}.py").read_text()).body
+    shown = {n.name for n in source if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    assert shown <= defined, (
+        f"functions the page shows, missing from its download: {shown - defined}"
+    )
     assert launcher_code(launcher_source()) in script, "the launcher, verbatim, not a copy"
     assert script == standalone_script((RECIPES / f"{name}.py").read_text(), launcher_source())
     ast.parse(script)
