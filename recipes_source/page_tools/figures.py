@@ -9,6 +9,7 @@ logs and for ``make gpu-check``.
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,3 +58,15 @@ class Table:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+OUTPUT_WIDTH = 88  # a page's output block shows about 90 characters without scrolling
+
+
+def wrap(text: str, width: int = OUTPUT_WIDTH) -> str:
+    """A sentence (a claim's, a verdict's) broken into lines that fit the page's output
+    blocks; lines after the first are indented."""
+    return "\n".join(
+        textwrap.fill(paragraph, width, subsequent_indent="  ", break_on_hyphens=False)
+        for paragraph in text.splitlines()
+    )
