@@ -186,7 +186,7 @@ with (
 ):
     run_on_ranks(start_from_hf, HUB_DIR)
 hub_files = proofs.safetensors_state(HUB_DIR)
-proofs.same_state("hub-checkpoint-loads-sharded", hub_files, from_hub, "loaded on every rank")
+proofs.same_state("hub-checkpoint-loads-sharded", hub_files, from_hub, "the shards vs the files")
 bytes_read = results.record("tensor-bytes-read", {r: sum(b) for r, b in read.by_rank.items()})
 model_bytes = results.record("model-bytes", proofs.tensor_bytes(hub_files))
 results.claim(
@@ -237,7 +237,7 @@ results.claim(
     by_rank=held,
 )
 full_file = proofs.safetensors_state(FULL_DIR)
-proofs.same_state("full-state-dict-file-is-the-model", hub_files, full_file, "model.safetensors")
+proofs.same_state("full-state-dict-file-is-the-model", hub_files, full_file, "the file")
 
 # %%
 # Load a full state dict: every rank reads it, or rank 0 broadcasts it
@@ -313,8 +313,8 @@ with (
     rank0_losses = run_on_ranks(load_and_train, load_from_rank0, FULL_DIR)
 
 # %%
-# Both ways end with the same sharded model, bit for bit, and train alike;
-# what differs is the memory the ranks other than 0 need on the way:
+# Both ways end with the file's model, bit for bit, and train alike; what
+# differs is the memory the ranks other than 0 need on the way:
 
 proofs.same_state("every-rank-load-is-the-model", hub_files, every_rank_loaded, "every rank")
 proofs.same_state("rank0-broadcast-load-is-the-model", hub_files, rank0_loaded, "from rank 0")
@@ -347,8 +347,8 @@ results.claim(
 
 memory.growth_table(
     {"load_on_every_rank": every_rank_peaks, "load_from_rank0": rank0_peaks},
-    caption=f"Peak host memory growth while loading; the model: {model_bytes / 2**20:.1f} MiB, "
-    f"one rank's shards: about {model_bytes / 2**20 / len(rank0_losses):.1f} MiB",
+    caption=f"Peak host memory growth while loading. The model: {model_bytes / 2**20:.1f} "
+    f"MiB; one rank's shards: about {model_bytes / 2**20 / len(rank0_losses):.1f} MiB",
 )
 
 # %%
@@ -369,14 +369,6 @@ def print_failure(error):
 
 
 print(f"CheckpointException is an Exception: {issubclass(CheckpointException, Exception)}")
-
-# %%
-
-results.claim(
-    "checkpoint-exception-is-not-an-exception",
-    not issubclass(CheckpointException, Exception),
-    "CheckpointException derives from BaseException, not from Exception",
-)
 
 # %%
 # **A prefix from torch.compile.** ``torch.compile`` wraps the model, and the
@@ -413,7 +405,12 @@ proofs.raised_on_every_rank(
     len(loaded.by_rank),
     "model.state_dict()",
 )
-proofs.same_state("compiled-model-loads", hub_files, loaded, "get_model_state_dict")
+results.claim(
+    "checkpoint-exception-is-not-an-exception",
+    not issubclass(CheckpointException, Exception),
+    "CheckpointException derives from BaseException, not from Exception",
+)
+proofs.same_state("compiled-model-loads", hub_files, loaded, "get_model_state_dict vs the files")
 
 # %%
 # **A prefix from your own wrapper, and a key the checkpoint lacks.** A
@@ -470,7 +467,7 @@ proofs.raised_on_every_rank(
     len(loaded.by_rank),
     "as it is, then renamed",
 )
-proofs.same_state("wrapper-loads-the-checkpoint-keys", hub_files, loaded, "renamed and filtered")
+proofs.same_state("wrapper-loads-the-checkpoint-keys", hub_files, loaded, "renamed, filtered")
 results.claim(
     "value-head-keeps-its-weights",
     all(keys == ["value_head.weight", "value_head.bias"] for keys in not_loaded),
@@ -537,7 +534,7 @@ proofs.raised_on_every_rank(
     "with lm_head.weight",
 )
 tied_files = proofs.safetensors_state(TIED_DIR)
-proofs.same_state("tied-model-loads", tied_files, loaded, "without lm_head.weight")
+proofs.same_state("tied-model-loads", tied_files, loaded, "without lm_head.weight vs the file")
 results.claim("lm-head-stays-tied", all(still_tied), f"tied: {still_tied}", tied=still_tied)
 
 # %%
@@ -574,7 +571,7 @@ def main(hub_dir):
 
 with proofs.state_after(dcp, "load") as torchrun_loaded:
     run_as_torchrun(main, HUB_DIR)
-proofs.same_state("torchrun-job-loads-the-checkpoint", hub_files, torchrun_loaded, "torchrun")
+proofs.same_state("torchrun-job-loads-the-checkpoint", hub_files, torchrun_loaded, "its shards")
 
 # %%
 # Clean up

@@ -252,7 +252,12 @@ results.claim(
     files=sorted(set(weight_map.values())),
 )
 export_files = proofs.safetensors_state(EXPORT_DIR)
-proofs.same_state("float32-files-hold-the-trained-tensors", trained, export_files, "the files")
+proofs.same_state(
+    "float32-files-hold-the-trained-tensors",
+    trained,
+    export_files,
+    "the files vs the trained model",
+)
 
 # %%
 # Without ``enable_consolidation`` only the pieces are written, and no index:
@@ -304,9 +309,17 @@ def open_with_transformers(folder):
 
 with proofs.value_returned_by(AutoModelForCausalLM, "from_pretrained") as opened:
     float32_logits = run_on_one_process(open_with_transformers, EXPORT_DIR)
-proofs.same_state("from-pretrained-builds-the-trained-model", trained, opened, "its weights")
+proofs.same_state(
+    "from-pretrained-builds-the-trained-model", trained, opened, "its weights vs the trained model"
+)
 tolerance = results.record("logits-tolerance", 1e-4 if torch.cuda.is_available() else 0.0)
-proofs.same_values("float32-logits-equal", sharded_logits, float32_logits, "logits", tolerance)
+proofs.same_values(
+    "float32-logits-equal",
+    sharded_logits,
+    float32_logits,
+    "logits vs the sharded model's",
+    tolerance,
+)
 
 # %%
 # ``transformers`` 5 recognises the ``shard-`` names of an unconsolidated
@@ -322,7 +335,7 @@ proofs.same_values(
     "unconsolidated-opens-through-dcp",
     sharded_logits,
     unconsolidated_logits,
-    "logits",
+    "logits vs the sharded model's",
     tolerance,
 )
 
@@ -345,7 +358,9 @@ bf16_logits = run_on_one_process(open_with_transformers, BF16_EXPORT_DIR)
 
 rounded = proofs.cast(trained, torch.bfloat16)
 bf16_files = proofs.safetensors_state(BF16_EXPORT_DIR)
-proofs.same_state("bf16-files-are-the-float32-rounded", rounded, bf16_files, "bfloat16 files")
+proofs.same_state(
+    "bf16-files-are-the-float32-rounded", rounded, bf16_files, "the files vs float32 rounded"
+)
 results.claim(
     "bf16-export-opens-in-bfloat16",
     bf16_logits.dtype == torch.bfloat16,
@@ -356,7 +371,7 @@ proofs.same_values(
     "bf16-logits-close",
     sharded_logits,
     bf16_logits,
-    "bfloat16 logits",
+    "bfloat16 logits vs float32",
     tolerance=0.05 * sharded_logits.abs().max().item(),  # 8 significant bits: ~3 digits
 )
 
@@ -401,7 +416,7 @@ proofs.same_state(
     "torchrun-export-holds-its-model",
     exported,
     proofs.safetensors_state(os.path.join(WORK_DIR, "torchrun", "export-float32")),
-    "the torchrun job's files",
+    "the torchrun job's files vs its model",
 )
 
 # %%
