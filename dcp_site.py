@@ -43,6 +43,7 @@ PAGE_PACKAGE = "page_tools"  # the pages' measuring and proving code, left out o
 RECIPE_ORDER = (
     "save_load_recipe.py",
     "hf_interop_recipe.py",
+    "hf_import_recipe.py",
     "async_save_recipe.py",
     "default_stager_recipe.py",
     "stager_copies_recipe.py",

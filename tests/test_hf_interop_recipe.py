@@ -1,142 +1,128 @@
-"""The Hugging Face export/import recipe: what it proves, from as few runs as possible.
+"""The Hugging Face export page: what the build proved, at 2 ranks and at 3, and its download.
 
-Each run of the recipe costs about 10 s of CPU, so the module runs it three
-times: the gallery launcher with 1 and with 3 ranks (uneven shards: 2048 rows
-do not split evenly in three) and torchrun with 2 ranks. Two ranks under the
-gallery launcher are what the site build runs.
+The build decides every claim of the page (the export is the trained model, bit for bit;
+from_pretrained reproduces its logits; bfloat16 is float32 rounded) and keeps the outcome in
+its results file; the tests read it. One run of the source at 3 ranks decides the claims
+where shards are uneven (2048 embedding rows do not split evenly in three). The download
+runs alone, under python and under torchrun, and must compute what the page shows.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
-from pathlib import Path
+import os
 
 import pytest
-from recipe_runner import ROOT, assert_ok, checkpoint_files_in_repo
+from page_tools import results as page_results
+from recipe_runner import (
+    RECIPES,
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    checkpoint_files_in_repo,
+    numbers_in,
+    page_outputs,
+)
 
 RECIPE = "hf_interop_recipe"
-OPEN_EXPORT = Path(__file__).with_name("hf_open_export.py")
-R0 = r"(?:\[rank0\] )?"  # single-process steps carry rank 0's label under torchrun
 NUM_TENSORS = 39  # a 4-layer Llama: 9 tensors per layer, embeddings, final norm, lm_head
 NUM_PARAMETERS = 8_128_768
-
-# Lines the recipe prints only when the check before them passed (the recipe asserts).
-ONCE = [
-    rf"{R0}the index names {NUM_TENSORS} tensors in 3 files",
-    rf"{R0}logits equal to the sharded model's, bit for bit",
-    rf"{R0}LlamaForCausalLM.from_pretrained\('export-bfloat16'\): dtype torch.bfloat16",
-    rf"{R0}logits differ from the float32 sharded model's by at most 0\.0\d+",
-    rf"{R0}\(checked: {NUM_TENSORS} bfloat16 tensors equal the float32 ones rounded, bit for bit\)",
-    rf"\[rank0\] compared {NUM_TENSORS} tensors with the Hugging Face files: 0 differ",
-    rf"\[rank0\] load_on_every_rank: {NUM_TENSORS} tensors equal to the file's, logits equal",
-    rf"\[rank0\] load_from_rank0: {NUM_TENSORS} tensors equal to the file's, logits equal",
-    rf"{R0}save_pretrained wrote {NUM_TENSORS - 1} tensors; lm_head.weight among them: False",
-    r"CheckpointException is an Exception: False",
+FILES = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+BIT_FOR_BIT = [
+    "float32-files-hold-the-trained-tensors",
+    "from-pretrained-builds-the-trained-model",
+    "bf16-files-are-the-float32-rounded",
+    "torchrun-export-holds-its-model",
 ]
-# Lines every rank prints.
-EVERY_RANK = [
-    r"dcp.load failed: RuntimeError: Missing key in checkpoint state_dict: "
-    r"_orig_mod.lm_head.weight.",
-    r"as it is: RuntimeError: Missing key in checkpoint state_dict: model.lm_head.weight.",
-    r"renamed:  RuntimeError: Missing key in checkpoint state_dict: value_head.bias.",
-    r"loaded 39 tensors; not in the checkpoint: \['value_head.weight', 'value_head.bias'\]",
-    r"dcp.load failed: RuntimeError: Missing key in checkpoint state_dict: lm_head.weight.",
-    r"loaded 38 tensors; lm_head still tied to the embedding: True",
-]
+# What the recipe prints that the page's work must not change.
+LOSS = r"^\[rank\d\] step \d: loss \d\.\d{4}$"
+LISTED = r"^\S+\.safetensors +[\d,]+ bytes$"
+OPENED = r"^(?:\[rank\d\] )?export-\S+: LlamaForCausalLM, torch\.\w+, logits \(2, 32, 2048\)$"
 
 
-def assert_recipe_checks_passed(output: str, ranks: int, torchrun: bool = False) -> None:
-    for pattern in ONCE:
-        # Under torchrun every rank runs the page's top-level code, and prints its lines.
-        count = len(re.findall(pattern, output))
-        assert count == 1 or (torchrun and count >= 1), f"{pattern!r}: {count}\n{output[-5000:]}"
-    for pattern in EVERY_RANK:
-        for rank in range(ranks):
-            assert re.search(rf"\[rank{rank}\] {pattern}", output), f"rank {rank}: {pattern!r}"
-    # Three key-mismatch fixes, each compared with the files on rank 0.
-    compared = re.findall(r"\[rank0\] compared (\d+) tensors with the files: 0 differ", output)
-    assert compared == [str(NUM_TENSORS), str(NUM_TENSORS), str(NUM_TENSORS - 1)], compared
-    assert re.search(r"removed \S+: True", output)
+@pytest.fixture(scope="module")
+def built():
+    return build_results(RECIPE)
 
 
-def tensor_bytes_read(output: str) -> dict[int, int]:
-    found = re.findall(r"\[rank(\d+)\] this rank read ([\d,]+) bytes of tensor data", output)
-    return {int(rank): int(count.replace(",", "")) for rank, count in found}
+def test_every_listed_claim_held_in_the_build(built):
+    listed = page_results.manifest(RECIPE)["claims"]
+    assert {name: built["claims"][name]["held"] for name in listed} == dict.fromkeys(listed, True)
+    assert built["values"]["parameters"] == NUM_PARAMETERS
+    assert built["values"]["world-size"] == 2
 
 
-def peak_growth(output: str, how: str) -> dict[int, int]:
-    found = re.findall(rf"\[rank(\d+)\] {how}: peak host memory grew by (\d+) MiB", output)
-    return {int(rank): int(mib) for rank, mib in found}
+def test_the_index_names_every_tensor_in_three_files(built):
+    evidence = built["claims"]["index-names-every-tensor"]["evidence"]
+    assert evidence == {"tensors": NUM_TENSORS, "files": FILES}
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_recipe_with_gallery_launcher(recipe_runner, tmp_path, world_size):
-    export_copy = tmp_path / "export-copy"
-    output = assert_ok(
-        recipe_runner.python(
-            RECIPE, world_size=world_size, DCP_RECIPES_HF_EXPORT_COPY=str(export_copy)
-        )
-    )
-    assert_recipe_checks_passed(output, world_size)
-    # Saved without consolidation, a file holds one rank's rows (all of them, at one rank).
-    rows = "whole: one rank saved it" if world_size == 1 else "only one rank's rows"
-    assert re.search(
-        rf"holds model\.embed_tokens\.weight as \(\d+, 256\) of \(\d+, 256\), {rows};", output
-    )
+@pytest.mark.parametrize("claim", BIT_FOR_BIT)
+def test_files_and_models_are_the_trained_tensors_bit_for_bit(built, claim):
+    evidence = built["claims"][claim]["evidence"]
+    assert evidence["tensors"] == NUM_TENSORS
+    assert evidence["differ"] == evidence["missing"] == evidence["unexpected"] == []
 
-    # Each rank asked the reader for its own shards only: together, the model once.
-    read = tensor_bytes_read(output)
-    assert sorted(read) == list(range(world_size))
-    total = NUM_PARAMETERS * 4  # float32 parameters
-    assert sum(read.values()) == total
-    assert max(read.values()) < total / world_size + 2**20
 
-    # Ranks other than 0 never hold the full model when rank 0 broadcasts.
-    every, from_rank0 = (
-        peak_growth(output, "load_on_every_rank"),
-        peak_growth(output, "load_from_rank0"),
-    )
-    assert sorted(every) == sorted(from_rank0) == list(range(world_size))
-    for rank in range(1, world_size):
-        assert from_rank0[rank] < every[rank], (rank, from_rank0, every)
+def test_logits_of_the_exports(built):
+    claims = built["claims"]
+    for name in ("float32-logits-equal", "unconsolidated-opens-through-dcp"):
+        evidence = claims[name]["evidence"]
+        assert evidence["shape"] == [2, 32, 2048] and evidence["dtype"] == "torch.float32"
+        assert evidence["tolerance"] == built["values"]["logits-tolerance"] == 0.0, "CPU ranks"
+        assert evidence["largest_difference"] == 0.0 and evidence["differ"] == 0, "bit for bit"
+    bf16 = claims["bf16-logits-close"]["evidence"]
+    assert bf16["dtype"] == "torch.bfloat16" and bf16["expected_dtype"] == "torch.float32"
+    assert bf16["tolerance"] == pytest.approx(0.05 * bf16["largest_value"])
+    assert 0 < bf16["largest_difference"] < bf16["tolerance"], "rounded: close, not equal"
+    assert claims["bf16-export-opens-in-bfloat16"]["evidence"]["dtype"] == "torch.bfloat16"
 
+
+def test_without_consolidation_each_file_holds_one_ranks_slices(built):
+    files = built["claims"]["unconsolidated-folder-has-no-index"]["evidence"]["files"]
+    pieces = [
+        f"shard-0000{r}-model-0000{k}-of-00003.safetensors" for r in (1, 2) for k in (1, 2, 3)
+    ]
+    assert files == ["config.json", *pieces]
+    assert built["claims"]["unconsolidated-file-holds-one-ranks-rows"]["evidence"]["rows"] == 1024
+
+
+def test_download_computes_what_the_page_shows(recipe_runner):
+    """The page's proofs watch the recipe, they do not change it: same losses, same files."""
+    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    shown = "".join(page_outputs(RECIPE))
+    for pattern in (LOSS, LISTED, OPENED):
+        assert numbers_in(output, pattern) == numbers_in(shown, pattern) != [], pattern
+    assert "page_tools" not in output and "differ" not in output, "the proofs are the build's"
+    assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
+
+
+def test_claims_hold_on_three_ranks_with_uneven_shards(recipe_runner):
+    """2048 embedding rows in three: 683, 683, 682; the export and its files are the same."""
+    recipes_before = sorted(os.listdir(RECIPES))
+    run, results = recipe_runner.source(RECIPE, world_size=3)
+    assert_ok(run)
+    held = {name: outcome["held"] for name, outcome in results["claims"].items()}
+    assert held == dict.fromkeys(page_results.manifest(RECIPE)["claims"], True), held
+    assert results["values"]["world-size"] == 3
+    assert results["claims"]["unconsolidated-file-holds-one-ranks-rows"]["evidence"]["rows"] == 683
+    files = results["claims"]["unconsolidated-folder-has-no-index"]["evidence"]["files"]
+    assert sum(name.startswith("shard-00003-") for name in files) == 3, files
+    assert sorted(os.listdir(RECIPES)) == recipes_before
     assert checkpoint_files_in_repo() == []
-    if world_size == 3:
-        check_export_opens_in_a_fresh_process(export_copy)
+    assert recipe_runner.leftovers() == []
 
 
-def check_export_opens_in_a_fresh_process(folder: Path) -> None:
-    """from_pretrained and safetensors read the export, in a process with no process group."""
-    result = subprocess.run(
-        [sys.executable, str(OPEN_EXPORT), str(folder)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
-    assert found["process_group"] is False
-    assert found["files"] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
-    assert found["index_files"] == found["files"]
-    # The index names every tensor, and only tensors that are in the files.
-    assert found["index_names"] == found["file_names"] == found["model_names"]
-    assert len(found["index_names"]) == NUM_TENSORS
-    # Full tensors (consolidated), equal to the model from_pretrained built from them.
-    assert found["shapes"] == found["config_shapes"]
-    assert found["differ"] == []
-    assert found["dtype"] == "torch.float32"
-    assert found["logits_finite"]
-    assert not (folder / "sharded").exists(), "the recipe deletes the per-rank pieces"
-
-
-def test_recipe_under_torchrun(recipe_runner):
+def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
-    assert_recipe_checks_passed(output, ranks=2, torchrun=True)
-    assert sum(tensor_bytes_read(output).values()) == NUM_PARAMETERS * 4
+    assert "[rank1] step 3: loss" in output
+    assert "[rank0] export-bfloat16: LlamaForCausalLM, torch.bfloat16" in output
+    assert "[rank1] export-unconsolidated: LlamaForCausalLM, torch.float32" in output
+    # torchrun's ranks print as they go: the same losses as the page, in another order.
+    losses = sorted(numbers_in(output, LOSS))
+    assert losses == sorted(numbers_in("".join(page_outputs(RECIPE)), LOSS)) != []
+    assert len(losses) == 2 * 2 * 3, "train_and_export, then main(), on each rank"
+    assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
     assert checkpoint_files_in_repo() == []

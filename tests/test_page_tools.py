@@ -641,3 +641,181 @@ def test_wait_outcome_decides_on_every_rank():
     timing.wait_outcome("raised", loop, "wait for upload", "TypeError", "upload")
     with pytest.raises(results.ClaimFailed):  # rank 1 never waited for staging
         timing.wait_outcome("returned", loop, "wait for staging", None, "staging")
+
+
+# --------------------------------------------------------------------------
+# hf_interop_recipe, hf_import_recipe: observe.around and raised_by, proofs on
+# safetensors folders and logits, what a reader reads, memory, figures.wrap
+# --------------------------------------------------------------------------
+
+
+class Loader:
+    def load(self, size):
+        return torch.ones(size)
+
+    def fail(self, key):
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        try:
+            raise RuntimeError(f"Missing key: {key}.")
+        except RuntimeError as error:  # as DCP wraps a rank's error
+            raise CheckpointException("load failed", {0: _wrap_exception(error)}) from None
+
+
+def test_calls_nth_lists_every_ranks_record_of_one_call():
+    calls = observe.Calls({1: ["b0", "b1"], 0: ["a0", "a1"]})
+    assert calls.nth(0) == ["a0", "b0"] and calls.nth(-1) == ["a1", "b1"]
+
+
+def test_page_module_is_the_main_module():
+    assert observe.page_module() is sys.modules["__main__"]
+
+
+def test_around_runs_the_body_in_place_of_the_call_and_restores():
+    original = Loader.load
+
+    def twice(call_original, call, keep):
+        keep(call.args[1:])
+        call_original(*call.args, **call.kwargs)
+        return call_original(*call.args, **call.kwargs) * 2
+
+    with observe.around(Loader, "load", twice) as calls:
+        assert torch.equal(Loader().load(3), torch.full((3,), 2.0))
+    assert calls.by_rank == {0: [(3,)]}
+    assert Loader.load is original and torch.equal(Loader().load(2), torch.ones(2))
+
+
+def test_raised_by_records_the_last_line_and_lets_the_error_through():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with observe.raised_by(Loader, "fail") as failed, observe.raised_by(Loader, "load") as fine:
+        with pytest.raises(CheckpointException):  # a BaseException: it must go on too
+            Loader().fail("lm_head.weight")
+        Loader().load(1)
+    assert failed.by_rank == {
+        0: [
+            {
+                "error": "CheckpointException",
+                "last_line": "RuntimeError: Missing key: lm_head.weight.",
+            }
+        ]
+    }
+    assert fine.by_rank == {}, "calls that return record nothing"
+    assert observe.last_line(ValueError("")) == "ValueError"
+
+
+def test_raised_on_every_rank_wants_every_rank_and_every_key(capsys):
+    line = "RuntimeError: Missing key in checkpoint state_dict: {}."
+    failed = observe.Calls(
+        {r: [{"error": "CheckpointException", "last_line": line.format("a")}] for r in (0, 1)}
+    )
+    proofs.raised_on_every_rank("ok", failed, ["state_dict: a."], 2, "keys")
+    assert "keys: CheckpointException on all 2 rank(s), 1 time(s)" in capsys.readouterr().out
+    with pytest.raises(results.ClaimFailed):
+        proofs.raised_on_every_rank("other key", failed, ["state_dict: b."], 2, "keys")
+    with pytest.raises(results.ClaimFailed):
+        proofs.raised_on_every_rank("a rank missing", failed, ["state_dict: a."], 3, "keys")
+    with pytest.raises(results.ClaimFailed):
+        proofs.raised_on_every_rank("twice", failed, ["a", "a"], 2, "keys")
+
+
+def test_safetensors_state_reads_the_files_at_the_top_of_a_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(
+        {"b": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "model-00002.safetensors")
+    )
+    (tmp_path / "sharded").mkdir()
+    save_file({"c": torch.ones(1)}, str(tmp_path / "sharded" / "shard-00001.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    state = proofs.safetensors_state(str(tmp_path))
+    assert sorted(state) == ["a", "b"] and state["b"].dtype == torch.bfloat16
+    assert proofs.tensor_bytes(state) == 2 * 4 + 3 * 2
+
+
+def test_cast_rounds_floating_tensors_only():
+    state = {"w": torch.tensor([1.0 + 2**-10, 3.0]), "step": torch.tensor(7), "lr": 0.1}
+    rounded = proofs.cast(state, torch.bfloat16)
+    assert rounded["w"].dtype == torch.bfloat16 and rounded["w"].tolist() == [1.0, 3.0]
+    assert rounded["step"].dtype == torch.int64 and rounded["lr"] == 0.1
+
+
+def test_same_values_is_bit_for_bit_unless_given_a_tolerance(capsys):
+    a = torch.tensor([[1.0, -2.0]])
+    assert proofs.same_values("exact", a, a.clone(), "logits") == 0.0
+    assert "logits: 0 of 2 differ, by at most 0" in capsys.readouterr().out
+    with pytest.raises(results.ClaimFailed):
+        proofs.same_values("one ulp", a, a + torch.tensor([[0.0, 2**-22]]), "logits")
+    worst = proofs.same_values("rounded", a, a.to(torch.bfloat16) + 0.0078125, "bf16", 0.01)
+    assert worst == pytest.approx(0.0078125)
+    with pytest.raises(results.ClaimFailed):
+        proofs.same_values("shape", a, a.T, "logits", tolerance=1.0)
+
+
+def test_tensor_bytes_read_counts_what_each_read_request_fills_in(tmp_path):
+    import warnings
+
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    save_file(
+        {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(5)}, str(tmp_path / "m.safetensors")
+    )
+    original = HuggingFaceStorageReader._process_read_request
+    state = {"w": torch.zeros(4, 3), "b": torch.zeros(5)}
+    with proofs.tensor_bytes_read(HuggingFaceStorageReader) as read, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(tmp_path)), no_dist=True)
+    assert sorted(read.by_rank[0]) == [5 * 4, 12 * 4]
+    assert torch.equal(state["w"], torch.arange(12.0).reshape(4, 3)), "the load itself still ran"
+    assert HuggingFaceStorageReader._process_read_request is original
+
+
+def test_peak_host_memory_sees_memory_touched_inside_the_block():
+    from page_tools import memory
+
+    with memory.PeakHostMemory() as peak:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written
+        del block
+    assert peak.growth_mib is None or 60 < peak.growth_mib < 200, peak.growth_mib
+    with memory.PeakHostMemory() as idle:
+        pass
+    assert idle.growth_mib is None or idle.growth_mib < 8, idle.growth_mib
+
+
+def test_peak_growth_warms_up_then_measures_each_repeat():
+    from page_tools import memory
+
+    calls = []
+
+    class Allocator:
+        def allocate(self, mib):
+            calls.append(mib)
+            return torch.ones(mib * 2**20 // 4)
+
+    with memory.peak_growth(Allocator, "allocate", repeats=2) as peaks:
+        result = Allocator().allocate(32)
+    assert calls == [32, 32, 32], "one warm-up, then two measured runs"
+    assert result.numel() == 32 * 2**20 // 4, "the last run's result comes back"
+    (growths,) = peaks.by_rank[0]
+    assert len(growths) == 2 and all(g is None or 28 < g < 120 for g in growths), growths
+    assert "allocate" in vars(Allocator) and Allocator.allocate.__name__ == "allocate"
+
+
+def test_memory_samples_and_table_are_by_rank():
+    from page_tools import memory
+
+    peaks = observe.Calls({0: [[40.0, 42.0, 41.0]], 1: [[20.0, 21.0, 20.5]]})
+    assert memory.samples(peaks, lambda rank: rank > 0) == [20.0, 21.0, 20.5]
+    table = memory.growth_table({"load": peaks}, caption="peaks")
+    assert table.rows == [["load", 0, 41.0, 40.0, 42.0], ["load", 1, 20.5, 20.0, 21.0]]
+    assert table.caption == "peaks"
+
+
+def test_wrap_fits_the_output_width_and_indents_what_follows():
+    text = "a verdict " * 20
+    lines = figures.wrap(text.strip(), width=40).splitlines()
+    assert len(lines) > 1 and all(len(line) <= 40 for line in lines)
+    assert all(line.startswith("  ") for line in lines[1:])
+    assert figures.wrap("short\nsecond") == "short\nsecond"

@@ -60,13 +60,23 @@ class Table:
     __repr__ = __str__
 
 
-WIDTH = 88  # a page's output column, in characters
+OUTPUT_WIDTH = 88  # a page's output block shows about 90 characters without scrolling
+WIDTH = OUTPUT_WIDTH
 
 
-def say(*lines: str, width: int = WIDTH) -> None:
+def wrap(text: str, width: int = OUTPUT_WIDTH) -> str:
+    """A sentence (a claim's, a verdict's) broken into lines that fit the page's output
+    blocks; lines after the first are indented."""
+    return "\n".join(
+        textwrap.fill(paragraph, width, subsequent_indent="  ", break_on_hyphens=False)
+        for paragraph in text.splitlines()
+    )
+
+
+def say(*lines: str, width: int = OUTPUT_WIDTH) -> None:
     """Print each line, wrapped to the page's column (continuations indented)."""
     for line in lines:
-        print(textwrap.fill(line, width, subsequent_indent="  ", break_on_hyphens=False))
+        print(wrap(line, width))
 
 
 # --------------------------------------------------------------------------

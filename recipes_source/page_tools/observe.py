@@ -156,3 +156,52 @@ def watch(
             yield calls
         finally:
             calls.by_rank = spool.collect()
+
+
+def page_module() -> Any:
+    """The module a page's code runs in: Sphinx-Gallery's ``__main__`` while it runs a cell, a
+    script's own under python and torchrun. Watch a function the page defines on it."""
+    import sys
+
+    return sys.modules["__main__"]
+
+
+@contextlib.contextmanager
+def around(
+    owner: Any, name: str, body: Callable[[Callable[..., Any], Call, Callable[[Any], None]], Any]
+) -> Iterator[Calls]:
+    """Run ``body(original, call, keep)`` in place of every call of ``owner.name`` made inside
+    the block: it calls ``original`` as it needs (once, several times, in a ``try``) and
+    returns what the call returns; ``keep(record)`` records. Records come back by rank."""
+    spool, calls = _Spool(), Calls()
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return body(original, Call(args, kwargs), spool.put)
+
+    with replaced(owner, name, wrapped) as original:
+        try:
+            yield calls
+        finally:
+            calls.by_rank = spool.collect()
+
+
+def last_line(error: BaseException) -> str:
+    """The last line of an error's text (a ``CheckpointException`` holds every rank's
+    traceback; its last line is the cause)."""
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else type(error).__name__
+
+
+def raised_by(owner: Any, name: str):
+    """Watch ``owner.name``: every call that raises records the error's type and the last line
+    of its text (``last_line``), and the error goes on as before. Calls that return record
+    nothing."""
+
+    def body(original: Callable[..., Any], call: Call, keep: Callable[[Any], None]) -> Any:
+        try:
+            return original(*call.args, **call.kwargs)
+        except BaseException as error:
+            keep({"error": type(error).__name__, "last_line": last_line(error)})
+            raise
+
+    return around(owner, name, body)

@@ -237,3 +237,102 @@ def value_is(claim: str, state: Any, name: str, expected: Any, what: str, **evid
     value = whole_state(state).get(name)
     results.claim(claim, value == expected, f"{what}: {name}={value}", value=value, **evidence)
     return value
+
+
+def safetensors_state(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor in the ``*.safetensors`` files at the top of ``folder`` (not in its
+    subfolders), by name: what a reader of the files finds there."""
+    import os
+
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(folder, name)))
+    return state
+
+
+def cast(state: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """A whole state (``whole_state``) with every floating-point tensor cast to ``dtype``."""
+    return {
+        name: value.to(dtype)
+        if isinstance(value, torch.Tensor) and value.is_floating_point()
+        else value
+        for name, value in whole_state(state).items()
+    }
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of all tensors of a whole state (``whole_state``)."""
+    return sum(
+        value.numel() * value.element_size()
+        for value in whole_state(state).values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def same_values(
+    claim: str, expected: torch.Tensor, actual: torch.Tensor, what: str, tolerance: float = 0.0
+) -> float:
+    """Decide that ``actual`` equals ``expected`` within ``tolerance`` (0: bit for bit), element
+    by element, and say the largest difference; returns it. Shapes must match; dtypes may
+    differ (a bfloat16 model against a float32 one)."""
+    same_shape = tuple(expected.shape) == tuple(actual.shape)
+    difference = (actual.double() - expected.double()).abs() if same_shape else None
+    worst = float(difference.max()) if difference is not None else float("inf")
+    differ = int((difference > 0).sum()) if difference is not None else expected.numel()
+    largest = float(expected.double().abs().max())
+    results.claim(
+        claim,
+        same_shape and worst <= tolerance,
+        f"{what}: {differ:,} of {expected.numel():,} differ, by at most {worst:.3g} "
+        f"(allowed: {tolerance:.3g})",
+        shape=list(actual.shape),
+        expected_dtype=str(expected.dtype),
+        dtype=str(actual.dtype),
+        differ=differ,
+        largest_difference=worst,
+        largest_value=largest,
+        tolerance=tolerance,
+    )
+    return worst
+
+
+def tensor_bytes_read(reader_class: type):
+    """Watch a DCP storage reader (``FileSystemReader``, ``HuggingFaceStorageReader``): the
+    bytes of tensor data each of its read requests fills in, one record per request."""
+
+    def requested(call: observe.Call) -> int:
+        _, _, request, planner = call.args[:4]
+        target = planner.resolve_tensor(request)
+        return target.numel() * target.element_size()
+
+    return observe.watch(reader_class, "_process_read_request", requested, before=True)
+
+
+def raised_on_every_rank(
+    claim: str, failed: observe.Calls, expected: list[str], ranks: int, what: str
+) -> None:
+    """Decide that on each of ``ranks`` ranks the watched calls raised (``observe.raised_by``)
+    once per text in ``expected``, in that order, each error's last line containing its text
+    (the key a load missed, say)."""
+    seen = {
+        rank: [record["last_line"] for record in records]
+        for rank, records in failed.by_rank.items()
+    }
+    held = sorted(seen) == list(range(ranks)) and all(
+        len(lines) == len(expected)
+        and all(e in line for e, line in zip(expected, lines, strict=True))
+        for lines in seen.values()
+    )
+    errors = sorted({record["error"] for records in failed.by_rank.values() for record in records})
+    results.claim(
+        claim,
+        held,
+        f"{what}: {', '.join(errors) or 'nothing raised'} on all {ranks} rank(s), "
+        f"{len(expected)} time(s), each at its key",
+        errors=errors,
+        expected=expected,
+        by_rank=seen,
+    )
