@@ -47,6 +47,7 @@ RECIPE_ORDER = (
     "default_stager_recipe.py",
     "resume_recipe.py",
     "staging_pitfalls_recipe.py",
+    "stager_stream_recipe.py",
     "checkpoint_stall_benchmark.py",
     "save_load_speed_recipe.py",
 )
