@@ -80,8 +80,8 @@ for option, value in dataclasses.asdict(staging_options(use_async_staging=True))
 
 
 # %%
-# The model, the data and the loop around a loop
-# ----------------------------------------------
+# The model, the data and the state
+# ---------------------------------
 # A small model trained with Adam, so the checkpoint holds weights, Adam's two
 # moments and its step counters. Every rank holds the same replica and trains
 # on the same batches, so a checkpoint has exactly one right answer. The
@@ -99,10 +99,13 @@ def device_for_this_rank():
     return torch.device("cpu")
 
 
+def make_model():
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES))
+
+
 def build_model(seed=0):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES))
-    model = model.to(device_for_this_rank())
+    model = make_model().to(device_for_this_rank())
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -143,6 +146,10 @@ def run_loop(loop, saves=SAVES, checkpoints_under=WORK_DIR):
     if dist.get_rank() == 0:
         print(f"{loop.__name__}: {len(os.listdir(checkpoint_dir))} checkpoints")
     return checkpoint_dir
+
+
+for name, tensor in make_model().state_dict().items():
+    print(f"{name:<10} {str(tensor.dtype):<14} {tuple(tensor.shape)}")
 
 
 # %%
@@ -189,12 +196,24 @@ def synchronize_before_save(model, optimizer, data, stager, checkpoint_dir, save
 
 
 # %%
-# The page runs both loops on this machine's ranks, keeps a copy of the state
-# at every ``async_save`` call, and compares every checkpoint with it, bit for
-# bit. It also keeps the GPU half a second behind the host before each step,
-# from the stager's second save on: the stager's first save registers its host
-# buffers with CUDA, which waits for the device, as at the first save of any
-# run; from then on a save waits for nothing.
+# First on CPU ranks, where there is no stream to race with: the loop without
+# the synchronisation saves exactly there. The page keeps a copy of the state
+# at every ``async_save`` call and compares every checkpoint with it, bit for
+# bit, from the stager's second save on (on a machine without a GPU, these
+# ranks are the ones below as well).
+
+with proofs.saves_given_to(dcp, "async_save") as on_cpu, ranks.cpu_only():
+    run_on_ranks(run_loop, save_without_synchronizing, SAVES, os.path.join(WORK_DIR, "cpu"))
+cpu_ranks = proofs.every_checkpoint_as_saved(
+    "no-stream-no-race", on_cpu, "CPU ranks, no sync", but_first=True, only_on="cpu"
+)
+
+# %%
+# Then both loops on this machine's ranks, with the GPU kept half a second
+# behind the host before each step from the stager's second save on: the
+# stager's first save registers its host buffers with CUDA, which waits for
+# the device, as at the first save of any run; from then on a save waits for
+# nothing.
 
 # 10**9 GPU clock cycles of spin work before each step: about half a second.
 with proofs.saves_given_to(dcp, "async_save") as unsynced, faults.device_behind_before_steps(10**9):
@@ -209,17 +228,6 @@ without_sync = proofs.every_checkpoint_torn(
     only_on="cuda",
 )
 with_sync = proofs.every_checkpoint_as_saved("stream-race-exact-with-sync", synced, but_first=True)
-
-# %%
-# On CPU ranks there is no stream to race with: the loop without the
-# synchronisation saves exactly (on a machine without a GPU, these are the
-# same ranks as above).
-
-with proofs.saves_given_to(dcp, "async_save") as on_cpu, ranks.cpu_only():
-    run_on_ranks(run_loop, save_without_synchronizing, SAVES, os.path.join(WORK_DIR, "cpu"))
-cpu_ranks = proofs.every_checkpoint_as_saved(
-    "no-stream-no-race", on_cpu, "CPU ranks, no sync", but_first=True, only_on="cpu"
-)
 
 # %%
 # What the checkpoints hold from before the step, kind by kind:

@@ -167,11 +167,12 @@ def run_loop(loop, batch_norm_first=False, saves=SAVES, checkpoints_under=WORK_D
 
 # %%
 # The page keeps a copy of the state at every ``async_save`` call and compares
-# every checkpoint with it, bit for bit. It also decides each race, the latest
-# way any loop allows (as with a large model on a busy host): DCP's copy starts
-# only when the loop waits for ``staging_completion``, an upload writes only
-# when it waits for ``upload_completion``. A hazard then always hits, and a fix
-# must hold even so. The last section lets the races run free.
+# every checkpoint with it, bit for bit. It also decides each race, always the
+# same way: DCP's copy starts only when the loop waits for
+# ``staging_completion``, an upload writes only when it waits for
+# ``upload_completion``, the latest moments any loop allows (as with a large
+# model on a busy host). A hazard then always hits, and a fix must hold even
+# so. The last section lets the races run free.
 #
 # The pattern that works, for a model without forward-mutated state
 # ------------------------------------------------------------------

@@ -261,6 +261,7 @@ def test_at_least_two_ranks_where_the_launch_would_use_one(monkeypatch):
 def test_the_package_imports_without_a_site_build():
     """gpu-check and torchrun run the pages from the repository: the package must import alone."""
     code = "import page_tools.proofs, page_tools.results, page_tools.stats, page_tools.figures"
+    code += ", page_tools.faults, page_tools.timing"
     env = dict(os.environ, PYTHONPATH=str(RECIPES))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd="/")
 
@@ -483,9 +484,3 @@ def test_torn_and_timed_counts_and_times_each_folder(tmp_path):
     assert (found["exact"]["torn"], found["exact"]["checked"]) == (0, 2), "the last left out"
     assert (found["overwritten"]["torn"], found["overwritten"]["checked"]) == (1, 3)
     assert len(found["overwritten"]["save"]) == 3 and len(found["exact"]["between_calls"]) == 2
-
-
-def test_the_new_modules_import_without_a_site_build():
-    code = "import page_tools.faults, page_tools.timing, page_tools.proofs"
-    env = dict(os.environ, PYTHONPATH=str(RECIPES))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd="/")

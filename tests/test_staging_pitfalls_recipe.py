@@ -45,6 +45,25 @@ LEFT_TO_CHANCE = {  # loop: checkpoints compared (the last of the upload race ha
     "next_save_before_upload": 8,
     "progress_updated_after_save": 8,
 }
+# Every proof and number the page showed before it was split (executed page of Dec 2026),
+# and where it is now: a claim or value of this page, or of the stager-stream page.
+SHOWN_BEFORE = {
+    "wait_before_step [0, 0, 0, 0, 0]: bit-exact every time": "wait-before-step-exact",
+    "save_without_synchronizing / synchronize_before_save, and the stream race's torn count "
+    "and entries from before the step, by kind": "stager_stream_recipe",
+    "step_before_staging [16, ...]: not the saved state, every time": "step-before-staging-torn",
+    "wait_before_step_with_batch_norm [3, ...], e.g. the three buffers": "batch-norm-forward-torn",
+    "wait_before_forward [0, ...]": "wait-before-forward-exact",
+    "stage_buffers_at_save_call [0, ...]": "stage-buffers-exact",
+    "next_save_before_upload [16, ...]": "next-save-torn",
+    "wait_for_upload_before_next_save [0, ...]": "wait-for-upload-exact",
+    "progress_updated_after_save [1, ...], e.g. progress.samples_seen": "progress-torn",
+    "progress_copied_at_save_call [0, ...]": "progress-copied-exact",
+    "each broken loop left to chance: not the saved state in N of 8 trials": "left_to_chance",
+    "the copy still running after async_save returned (median, at most); a save took (median); "
+    "a training step (now: a loop step, one save call to the next)": "left_to_chance",
+    "the one-line summary for make gpu-check (the stream race by kind)": "stager_stream_recipe",
+}
 STATE_LINE = r"^(?:\[rank\d\] )?(\d\.\w+) +torch\.(\w+) +(\(.*\))$"
 CHECKPOINTS = r"^\[rank0\] ([\w-]+): (\d+) checkpoints$"  # what run_loop says on rank 0
 
@@ -52,6 +71,15 @@ CHECKPOINTS = r"^\[rank0\] ([\w-]+): (\d+) checkpoints$"  # what run_loop says o
 @pytest.fixture(scope="module")
 def built():
     return build_results(RECIPE)
+
+
+def test_everything_the_page_showed_before_is_still_decided_or_recorded(built):
+    decided = {**built["claims"], **built["values"]}
+    for before, now in SHOWN_BEFORE.items():
+        if now == "stager_stream_recipe":
+            assert build_results(now)["values"]["headline"], before
+        else:
+            assert now in decided, before
 
 
 def test_every_claim_of_the_page_held(built):

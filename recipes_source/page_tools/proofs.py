@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import io
 import os
 import textwrap
 import warnings
@@ -33,7 +32,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -314,14 +315,19 @@ def saves_into(saves: observe.Calls, directory: str | os.PathLike) -> observe.Ca
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The whole state a DCP checkpoint holds, by dotted name, read in this process as
-    ``dcp_to_torch_save`` reads it (no process group, no template, onto the CPU)."""
-    converted = io.BytesIO()  # torch.save writes there as well as to a file
+    ``dcp_to_torch_save`` reads it (no process group, no template, onto the CPU), without
+    its detour through a ``torch.save`` file."""
+    state: dict[str, Any] = {}
     with warnings.catch_warnings():
         # DCP warns that it assumes one process, which is what this read is.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp_to_torch_save(path, converted)
-    converted.seek(0)
-    return whole_state(torch.load(converted, weights_only=True))
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    return whole_state(state)
 
 
 @dataclasses.dataclass
