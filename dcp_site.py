@@ -49,6 +49,7 @@ RECIPE_ORDER = (
     "stager_copies_recipe.py",
     "resume_recipe.py",
     "staging_pitfalls_recipe.py",
+    "stager_stream_recipe.py",
     "checkpoint_stall_benchmark.py",
     "save_load_speed_recipe.py",
 )

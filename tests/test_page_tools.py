@@ -261,6 +261,7 @@ def test_at_least_two_ranks_where_the_launch_would_use_one(monkeypatch):
 def test_the_package_imports_without_a_site_build():
     """gpu-check and torchrun run the pages from the repository: the package must import alone."""
     code = "import page_tools.proofs, page_tools.results, page_tools.stats, page_tools.figures"
+    code += ", page_tools.faults, page_tools.timing"
     env = dict(os.environ, PYTHONPATH=str(RECIPES))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd="/")
 
@@ -819,3 +820,220 @@ def test_wrap_fits_the_output_width_and_indents_what_follows():
     assert len(lines) > 1 and all(len(line) <= 40 for line in lines)
     assert all(line.startswith("  ") for line in lines[1:])
     assert figures.wrap("short\nsecond") == "short\nsecond"
+
+
+# --------------------------------------------------------------------------
+# The staging pitfalls and stager stream pages: faults, timing, checkpoints against saves
+# --------------------------------------------------------------------------
+
+from concurrent.futures import Future  # noqa: E402
+
+from torch.distributed.checkpoint.staging import StagingOptions  # noqa: E402
+from torch.optim.optimizer import _global_optimizer_pre_hooks  # noqa: E402
+
+BACKGROUND = StagingOptions(False, False, True, False)  # async staging, nothing else (CPU)
+
+
+# DCP warns, from its upload thread, that it saves in one process: what these tests do.
+ONE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def async_save(state, path, stager):
+    """One process, no process group: what a page's loop does, on one rank."""
+    return dcp.async_save(state, checkpoint_id=str(path), async_stager=stager, no_dist=True)
+
+
+def test_faults_and_the_timeline_restore_everything_they_change():
+    originals = (
+        dcp.async_save,
+        Future.result,
+        Future.set_result,
+        vars(DefaultStager)["stage"],
+        FileSystemWriter.write_data,
+    )
+    with faults.copies_held_until_waited(dcp), faults.writes_held_until_waited(dcp):
+        assert dcp.async_save is not originals[0] and Future.result is not originals[1]
+        assert vars(DefaultStager)["stage"] is not originals[3]
+        assert FileSystemWriter.write_data is not originals[4]
+    with faults.device_behind_before_steps(10), timing.save_timeline(dcp):
+        assert len(_global_optimizer_pre_hooks) == 1 and Future.set_result is not originals[2]
+    after = (
+        dcp.async_save,
+        Future.result,
+        Future.set_result,
+        vars(DefaultStager)["stage"],
+        FileSystemWriter.write_data,
+    )
+    assert after == originals
+    assert "write_data" not in vars(FileSystemWriter), "the base class's shows through again"
+    assert len(_global_optimizer_pre_hooks) == 0
+
+
+@ONE_PROCESS
+def test_a_held_copy_starts_when_the_loop_waits_for_staging(tmp_path):
+    """The state changes after async_save returned: the checkpoint holds the change."""
+    weight = torch.zeros(4)
+    stager = DefaultStager(BACKGROUND)
+    with (
+        proofs.saves_given_to(dcp, "async_save") as saved,
+        faults.copies_held_until_waited(dcp) as cues,
+    ):
+        response = async_save({"w": weight}, tmp_path / "held" / "save-0", stager)
+        time.sleep(0.2)
+        assert not response.staging_completion.done(), "nothing copies before the wait"
+        weight.add_(1)  # what a loop's optimizer.step() does before it waits
+        response.staging_completion.result()
+        response.upload_completion.result()
+        # A wait on the upload alone lets the copy go too: no save can hang on the page.
+        other = async_save({"w": weight}, tmp_path / "upload-only" / "save-0", stager)
+        other.upload_completion.result()
+    stager.close()
+    assert len(cues) == 2 and all(cue.is_set() for cue in cues)
+    assert torch.equal(proofs.read_checkpoint(tmp_path / "held" / "save-0")["w"], torch.ones(4))
+    torn = proofs.every_checkpoint_torn(
+        "torn", proofs.saves_into(saved, tmp_path / "held"), "held", differ=["w"]
+    )
+    assert [c.comparison.differ for c in torn] == [["w"]] and proofs.torn(torn) == 1
+    with pytest.raises(results.ClaimFailed):  # a checkpoint torn in other names than said
+        proofs.every_checkpoint_torn("wrong", saved, "held", differ=["v"], but_last=True)
+
+
+@ONE_PROCESS
+def test_held_writes_wait_for_the_wait_on_the_upload_only(tmp_path):
+    stager = DefaultStager(BACKGROUND)
+    with faults.writes_held_until_waited(dcp):
+        response = async_save({"w": torch.arange(3.0)}, tmp_path / "ckpt", stager)
+        response.staging_completion.result()  # staging done: the upload may not write yet
+        time.sleep(0.3)
+        assert not list((tmp_path / "ckpt").glob("*.distcp")), "nothing written before the wait"
+        response.upload_completion.result()
+        assert list((tmp_path / "ckpt").glob("*.distcp"))
+    stager.close()
+
+
+@ONE_PROCESS
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")
+def test_every_checkpoint_as_saved_reads_each_back_and_raises_on_a_difference(tmp_path, capsys):
+    state = {"w": torch.arange(6.0).reshape(2, 3), "progress": {"step": 1}, "lr": [0.1, 0.2]}
+    stager = DefaultStager(BACKGROUND)
+    with proofs.saves_given_to(dcp, "async_save") as saved:
+        for save in range(3):
+            async_save(state, tmp_path / "loop" / f"save-{save}", stager).upload_completion.result()
+            state["w"].add_(1)
+            state["progress"]["step"] += 1
+    stager.close()
+    checked = proofs.every_checkpoint_as_saved("exact", saved, but_first=True)
+    assert [os.path.basename(c.checkpoint) for c in checked] == ["save-1", "save-2"]
+    assert checked[0].tensors == ["w"] and checked[0].comparison.values == 3
+    said = capsys.readouterr().out
+    assert said.startswith("loop: all 2 checkpoints the saved state, bit for bit\n"), said
+    first = saved.by_rank[0][0]
+    assert first.device == "cpu" and first.state["progress.step"] == 1, "a copy at the call"
+    # A checkpoint that another save overwrote is not the state at its own save call.
+    dcp.save({**state, "w": state["w"] * 0}, checkpoint_id=str(tmp_path / "loop" / "save-0"))
+    with pytest.raises(results.ClaimFailed, match="'exact-again' does not hold"):
+        proofs.every_checkpoint_as_saved("exact-again", saved)
+    assert proofs.by_kind(proofs.checkpoints_against_saves(saved), {"weights": ("w",)}) == {
+        "weights": (1, 1)
+    }
+    table = proofs.by_kind_table({"loop": checked}, {"weights": ("w",)})
+    assert table.rows == [["loop", "0 of 2", "0 of 1"]]
+
+
+@ONE_PROCESS
+def test_a_claim_about_other_ranks_is_not_measured_here(tmp_path, capsys):
+    with proofs.saves_given_to(dcp, "save") as saved:
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "only" / "save-0"))
+    checked = proofs.every_checkpoint_torn("gpu-only", saved, "on a GPU", only_on="cuda")
+    assert len(checked) == 1 and not checked[0].torn, "still compared, for the page to show"
+    said = "on a GPU: not measured here (a claim about cuda ranks; these are cpu)\n"
+    assert capsys.readouterr().out == said
+
+
+def test_the_device_is_kept_behind_only_after_a_stager_has_staged(monkeypatch):
+    slept = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with faults.device_behind_before_steps(123):
+        weight.grad = torch.ones(2)
+        optimizer.step()
+        assert slept == [], "no stager has staged yet: its first save waits for the device"
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        stager.stage({"w": weight.detach()})
+        optimizer.step()
+        stager.close()
+    optimizer.step()
+    assert slept == [123], "once inside the block, after the first stage; never after it"
+
+
+@ONE_PROCESS
+def test_the_timeline_has_every_save_and_its_futures_in_order(tmp_path):
+    stager = DefaultStager(BACKGROUND)
+    with timing.save_timeline(dcp) as timeline:
+        for save in range(3):
+            response = async_save({"w": torch.ones(3)}, tmp_path / f"save-{save}", stager)
+            response.staging_completion.result()
+            response.upload_completion.result()
+    stager.close()
+    saves = timeline.saves(0)
+    assert [os.path.basename(s.checkpoint) for s in saves] == ["save-0", "save-1", "save-2"]
+    for s in saves:
+        assert s.called <= s.returned <= s.uploaded and s.called <= s.staged <= s.uploaded
+    ms = timing.durations(saves)
+    assert len(ms["save"]) == 3 and len(ms["between_calls"]) == 2
+    assert all(value >= 0 for values in ms.values() for value in values)
+    assert timeline.saves(0, under=tmp_path / "elsewhere") == []
+
+
+def test_records_come_back_from_any_thread():
+    with observe.records() as (calls, put):
+        thread = threading.Thread(target=put, args=("from a thread",))
+        thread.start()
+        thread.join()
+        put("from the block")
+    assert calls.by_rank == {0: ["from a thread", "from the block"]}
+
+
+def test_cpu_only_hides_the_gpus_from_the_launches_inside(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with ranks.cpu_only() as on_cpu:
+        assert on_cpu and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_shown_gives_a_median_and_a_maximum_without_exponents():
+    assert stats.shown([0.0, 0.0, 1.7], "ms") == "0 ms (at most 1.7)"
+    assert stats.shown([196.0, 210.0, 370.0], "ms") == "210 ms (at most 370)"
+    assert stats.shown([0.0512, 0.05]) == "0.051 (at most 0.051)"
+
+
+def test_wrapped_puts_a_verdicts_numbers_on_lines_of_their_own():
+    said, _ = stats.verdict("a save", [0.3, 0.5], "a loop step", [0.1, 0.2], "s")
+    lines = stats.wrapped(said, 60).splitlines()
+    assert lines[0].startswith("a save: ") and lines[1].startswith("  (medians")
+    assert all(len(line) <= 60 for line in lines) and stats.wrapped("short", 60) == "short"
+
+
+@ONE_PROCESS
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")
+def test_torn_and_timed_counts_and_times_each_folder(tmp_path):
+    stager = DefaultStager(BACKGROUND)
+    weight = torch.zeros(2)
+    with proofs.saves_given_to(dcp, "async_save") as saved, timing.save_timeline(dcp) as line:
+        for loop in ("exact", "overwritten"):
+            for save in range(3):
+                response = async_save({"w": weight}, tmp_path / loop / f"save-{save}", stager)
+                response.upload_completion.result()
+                weight.add_(1)
+    stager.close()
+    dcp.save({"w": torch.full((2,), -1.0)}, checkpoint_id=str(tmp_path / "overwritten" / "save-0"))
+    found = timing.torn_and_timed(
+        saved, line, [str(tmp_path / "exact"), str(tmp_path / "overwritten")], ("exact",)
+    )
+    assert (found["exact"]["torn"], found["exact"]["checked"]) == (0, 2), "the last left out"
+    assert (found["overwritten"]["torn"], found["overwritten"]["checked"]) == (1, 3)
+    assert len(found["overwritten"]["save"]) == 3 and len(found["exact"]["between_calls"]) == 2

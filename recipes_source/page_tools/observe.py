@@ -139,23 +139,32 @@ def watch(
     it returns (``call.result`` is set: the state a load filled in). ``where`` keeps only
     the calls it accepts. The records come back, by rank, when the block ends.
     """
-    spool, calls = _Spool(), Calls()
+    with records() as (calls, put):
 
-    def watched(*args: Any, **kwargs: Any) -> Any:
-        call = Call(args, kwargs)
-        wanted = where is None or where(call)
-        if wanted and before:
-            spool.put(record(call))
-        call.result = original(*args, **kwargs)
-        if wanted and not before:
-            spool.put(record(call))
-        return call.result
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            call = Call(args, kwargs)
+            wanted = where is None or where(call)
+            if wanted and before:
+                put(record(call))
+            call.result = original(*args, **kwargs)
+            if wanted and not before:
+                put(record(call))
+            return call.result
 
-    with replaced(owner, name, watched) as original:
-        try:
+        with replaced(owner, name, watched) as original:
             yield calls
-        finally:
-            calls.by_rank = spool.collect()
+
+
+@contextlib.contextmanager
+def records() -> Iterator[tuple[Calls, Callable[[Any], None]]]:
+    """What ``put(record)`` is given inside the block, on any rank and from any thread, comes
+    back by rank when the block ends: the spool under ``watch``, for a recorder of its own
+    (one that records when a future resolves, say). Yields ``(calls, put)``."""
+    spool, calls = _Spool(), Calls()
+    try:
+        yield calls, spool.put
+    finally:
+        calls.by_rank = spool.collect()
 
 
 def page_module() -> Any:

@@ -13,20 +13,32 @@ The watches below take the snapshots where DCP sees the state: ``state_given_to(
 "save")`` when a save is called (the state the checkpoint must hold), ``state_after(dcp,
 "load")`` when a load returns (the state it filled in), ``value_returned_by(torch, "load",
 ...)`` for a file read back.
+
+A page about async saves checks every checkpoint a loop wrote against the state at its
+save call: ``saves_given_to(dcp, "async_save")`` records, per call, the checkpoint and the
+state (without waiting for a device), ``read_checkpoint`` reads a checkpoint back in one
+process, and ``every_checkpoint_as_saved`` / ``every_checkpoint_torn`` decide the claims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+import os
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from page_tools import observe, results
+from page_tools import figures, observe, results
 
 
 @dataclasses.dataclass
@@ -335,4 +347,303 @@ def raised_on_every_rank(
         errors=errors,
         expected=expected,
         by_rank=seen,
+    )
+
+
+# --------------------------------------------------------------------------
+# Checkpoints against the save calls that wrote them
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Saved:
+    """One save call on one rank: the checkpoint it writes, and this rank's snapshot of the
+    state it was given, as it was at the call."""
+
+    checkpoint: str
+    state: dict[str, Any]
+    device: str  # where the state's tensors live: "cpu", "cuda"
+
+
+def _taken_at_call(state_dict: Any) -> tuple[dict[str, Any], str]:
+    """The state as it is at the call, without waiting for a device: a tensor on a device is
+    cloned there (queued behind the work that computes it), anything else is copied now."""
+    taken, device = {}, "cpu"
+    for name, value in flatten(state_dict).items():
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                device = value.device.type
+            taken[name] = _piece(value) if value.device.type == "cpu" else value.detach().clone()
+        else:
+            taken[name] = copy.deepcopy(value)
+    return taken, device
+
+
+def _on_cpu(taken: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: _piece(value) if isinstance(value, torch.Tensor) else value
+        for name, value in taken.items()
+    }
+
+
+@contextlib.contextmanager
+def saves_given_to(
+    owner: Any, name: str = "async_save", keyword: str = "checkpoint_id"
+) -> Iterator[observe.Calls]:
+    """Watch a save function (``dcp.async_save``): every rank's ``Saved`` for each call.
+
+    The snapshot waits for no device, so that the save runs as it would unwatched: tensors
+    on a device are cloned there at the call and brought to the CPU once the call has
+    returned (a copy to the CPU at the call would wait for the device, and a stager's
+    stream would then have nothing left to race with).
+    """
+    with observe.records() as (calls, put):
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            call = observe.Call(args, kwargs)
+            taken, device = _taken_at_call(call.argument(0, "state_dict"))
+            result = original(*args, **kwargs)
+            put(Saved(os.fspath(kwargs[keyword]), _on_cpu(taken), device))
+            return result
+
+        with observe.replaced(owner, name, watched) as original:
+            yield calls
+
+
+def saves_into(saves: observe.Calls, directory: str | os.PathLike) -> observe.Calls:
+    """The watched saves whose checkpoint lies under ``directory``."""
+    prefix = os.path.join(os.path.abspath(directory), "")
+    return observe.Calls(
+        {
+            rank: [s for s in records if os.path.abspath(s.checkpoint).startswith(prefix)]
+            for rank, records in saves.by_rank.items()
+        }
+    )
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The whole state a DCP checkpoint holds, by dotted name, read in this process as
+    ``dcp_to_torch_save`` reads it (no process group, no template, onto the CPU), without
+    its detour through a ``torch.save`` file."""
+    state: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        # DCP warns that it assumes one process, which is what this read is.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    return whole_state(state)
+
+
+@dataclasses.dataclass
+class Checked:
+    """A checkpoint read back, against the state at its save call."""
+
+    checkpoint: str
+    comparison: Comparison
+    tensors: list[str]  # the names of the saved state's tensors
+
+    @property
+    def torn(self) -> bool:
+        """The checkpoint is not the state at its save call."""
+        return not self.comparison.equal
+
+
+def torn(checked: list[Checked]) -> int:
+    """How many of the checkpoints are not the state at their save call."""
+    return sum(c.torn for c in checked)
+
+
+def checkpoints_against_saves(
+    saves: observe.Calls, but_first: bool = False, but_last: bool = False
+) -> list[Checked]:
+    """Every checkpoint the watched saves wrote (in call order; ``but_first``, ``but_last``
+    leave those out), read back and compared with the state at its call, which is put
+    together from every rank's snapshot of that call."""
+    ranks = [records for _, records in sorted(saves.by_rank.items())]
+    if not ranks or not ranks[0]:
+        raise ValueError("no save was watched")
+    if any(len(records) != len(ranks[0]) for records in ranks):
+        raise ValueError("the ranks made different numbers of saves")
+    count = len(ranks[0])
+    checked = []
+    for index in range(1 if but_first else 0, count - 1 if but_last else count):
+        calls = [records[index] for records in ranks]
+        if any(call.checkpoint != calls[0].checkpoint for call in calls):
+            raise ValueError(f"the ranks' save {index} went to different checkpoints")
+        expected = assemble([call.state for call in calls])
+        comparison = compare(expected, read_checkpoint(calls[0].checkpoint))
+        names = sorted(name for name, value in expected.items() if isinstance(value, torch.Tensor))
+        checked.append(Checked(calls[0].checkpoint, comparison, names))
+    if not checked:
+        raise ValueError(f"of {count} saves, none is left to check")
+    return checked
+
+
+def devices(saves: observe.Calls) -> list[str]:
+    """Where the watched saves' tensors lived: ``["cpu"]``, ``["cuda"]``."""
+    return sorted({s.device for records in saves.by_rank.values() for s in records})
+
+
+def _not_here(claim: str, what: str, devices: list[str], only_on: str | None) -> bool:
+    """A claim about saves from ``only_on`` ranks (``"cuda"``) where they ran elsewhere: said
+    to be not measured here (``results.not_measured_here``)."""
+    if only_on is None or devices == [only_on]:
+        return False
+    ranks = " and ".join(devices) or "no"
+    results.not_measured_here(
+        claim, f"{what}: not measured here (a claim about {only_on} ranks; these are {ranks})"
+    )
+    return True
+
+
+def _folder(checked: list[Checked]) -> str:
+    """What a page calls the checkpoints by default: the folder they are in (a loop's name)."""
+    folders = {os.path.basename(os.path.dirname(os.path.abspath(c.checkpoint))) for c in checked}
+    return ", ".join(sorted(folders))
+
+
+def _counts(checked: list[Checked]) -> list[int]:
+    return [
+        len(c.comparison.differ) + len(c.comparison.missing) + len(c.comparison.unexpected)
+        for c in checked
+    ]
+
+
+def every_checkpoint_as_saved(
+    claim: str,
+    saves: observe.Calls,
+    what: str | None = None,
+    *,
+    but_first: bool = False,
+    but_last: bool = False,
+    only_on: str | None = None,
+) -> list[Checked]:
+    """Decide that every checkpoint holds the state at its save call, bit for bit.
+
+    ``only_on="cuda"``: a claim about GPU ranks, not measured where the saves ran elsewhere
+    (the checkpoints are still compared, and returned, for a page to show).
+    """
+    checked = checkpoints_against_saves(saves, but_first, but_last)
+    what = what or _folder(checked)
+    if _not_here(claim, what, devices(saves), only_on):
+        return checked
+    first = checked[0].comparison
+    said = (
+        f"{what}: all {len(checked)} checkpoints the saved state, bit for bit\n"
+        f"  differing, by checkpoint: {_counts(checked)} "
+        f"of {first.tensors} tensors and {first.values} values"
+    )
+    results.claim(
+        claim,
+        all(c.comparison.equal for c in checked),
+        said,
+        checkpoints=len(checked),
+        counts=_counts(checked),
+        tensors=first.tensors,
+        values=first.values,
+        differ=[c.comparison.differ[:20] for c in checked],
+        devices=devices(saves),
+    )
+    return checked
+
+
+def every_tensor(name: str) -> bool:
+    """For ``every_checkpoint_torn(differ=...)``: every tensor of the state."""
+    return True
+
+
+def named(*endings: str) -> Callable[[str], bool]:
+    """For ``every_checkpoint_torn(differ=...)``: the tensors whose last name is one of these
+    (``named("weight", "bias")``)."""
+    return lambda name: name.rsplit(".", 1)[-1] in endings
+
+
+def every_checkpoint_torn(
+    claim: str,
+    saves: observe.Calls,
+    what: str | None = None,
+    *,
+    differ: Sequence[str] | Callable[[str], bool] = every_tensor,
+    but_first: bool = False,
+    but_last: bool = False,
+    only_on: str | None = None,
+) -> list[Checked]:
+    """Decide that no checkpoint holds the state at its save call, and exactly how each
+    differs: in exactly the names ``differ`` lists, or, if it is a function, in exactly the
+    tensors it accepts (and in no other value). ``only_on`` as for ``every_checkpoint_as_saved``.
+    """
+    checked = checkpoints_against_saves(saves, but_first, but_last)
+    what = what or _folder(checked)
+    if _not_here(claim, what, devices(saves), only_on):
+        return checked
+
+    def expected(c: Checked) -> list[str]:
+        return sorted(filter(differ, c.tensors) if callable(differ) else differ)
+
+    held = all(
+        c.comparison.differ == expected(c) and not (c.comparison.missing or c.comparison.unexpected)
+        for c in checked
+    )
+    first = checked[0].comparison
+    example = ", ".join(first.differ[:3]) + (", ..." if len(first.differ) > 3 else "")
+    said = (
+        f"{what}: {torn(checked)} of {len(checked)} checkpoints are not the saved state\n"
+        f"  differing, by checkpoint: {_counts(checked)} "
+        f"of {first.tensors} tensors and {first.values} values\n"
+        + textwrap.fill(f"e.g. {example}", 88, initial_indent="  ", subsequent_indent="    ")
+    )
+    results.claim(
+        claim,
+        bool(checked) and held,
+        said,
+        checkpoints=len(checked),
+        counts=_counts(checked),
+        tensors=first.tensors,
+        values=first.values,
+        differ=[c.comparison.differ[:40] for c in checked],
+        expected=expected(checked[0])[:40],
+        devices=devices(saves),
+    )
+    return checked
+
+
+# The tensors of a model trained with Adam, by kind: the last names they end in.
+ADAM_STATE = {
+    "weights and biases": ("weight", "bias"),
+    "Adam's moments": ("exp_avg", "exp_avg_sq"),
+    "Adam's step counters": ("step",),
+}
+
+
+def by_kind(
+    checked: list[Checked], kinds: Mapping[str, Sequence[str]]
+) -> dict[str, tuple[int, int]]:
+    """For each kind of tensor (``{"Adam's moments": ("exp_avg", "exp_avg_sq")}``: the last
+    names it ends in), how many differed in any of the checkpoints, and how many there are."""
+    if not checked:
+        return {}
+    differed = {name for c in checked for name in c.comparison.differ}
+    counted = {}
+    for kind, endings in kinds.items():
+        names = [name for name in checked[0].tensors if named(*endings)(name)]
+        counted[kind] = (sum(name in differed for name in names), len(names))
+    return counted
+
+
+def by_kind_table(
+    rows: Mapping[str, list[Checked]], kinds: Mapping[str, Sequence[str]], caption: str = ""
+) -> figures.Table:
+    """A row per list of checkpoints: how many are torn, and ``by_kind`` of each kind."""
+    return figures.Table(
+        ["checkpoints", "torn", *kinds],
+        [
+            [row, f"{torn(checked)} of {len(checked)}"]
+            + [f"{differed} of {of}" for differed, of in by_kind(checked, kinds).values()]
+            for row, checked in rows.items()
+        ],
+        caption,
     )

@@ -33,3 +33,26 @@ def at_least(ranks: int) -> Iterator[int]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def cpu_only() -> Iterator[bool]:
+    """Launches inside the block use CPU ranks (gloo), on a machine with GPUs too: a claim
+    about what happens where there is no device stream needs them. The number of ranks is
+    the launch's own (``DCP_RECIPES_WORLD_SIZE``, else 2).
+
+    Under torchrun, whose ranks are given, nothing changes. Yields whether the launches
+    inside run on CPU ranks. The environment is restored on exit.
+    """
+    if under_torchrun():
+        yield not torch.cuda.is_available()
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the launcher then finds no GPU (it asks NVML)
+    try:
+        yield True
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved

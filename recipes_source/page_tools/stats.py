@@ -9,7 +9,9 @@ states a speed or memory claim in fixed prose.
 
 from __future__ import annotations
 
+import math
 import statistics
+import textwrap
 from collections.abc import Sequence
 
 
@@ -58,3 +60,29 @@ def verdict(
         return f"{a_name} and {b_name} are within noise of each other ({numbers})", diff
     word = "less" if ma < mb else "more"
     return f"{a_name}: {abs(ma - mb):.3g} {unit} {word} than {b_name} ({numbers})", diff
+
+
+def _few_digits(value: float, digits: int) -> str:
+    """``value`` with about ``digits`` significant digits, never in exponent form."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{round(value, decimals):.{decimals}f}"
+
+
+def shown(values: Sequence[float], unit: str = "", digits: int = 2) -> str:
+    """Repeated measurements in a few characters, for a table's cell: the median and the
+    highest, ``"0.05 ms (at most 1.7)"``."""
+    s = summary(values)
+    median, most = _few_digits(s["median"], digits), _few_digits(s["max"], digits)
+    return f"{median} {unit} (at most {most})" if unit else f"{median} (at most {most})"
+
+
+def wrapped(sentence: str, width: int = 88) -> str:
+    """A long rendered sentence (a ``verdict``) in lines that fit a page's column: the
+    numbers in its parentheses go on lines of their own."""
+    if len(sentence) <= width:
+        return sentence
+    head, _, numbers = sentence.partition(" (")
+    lines = textwrap.wrap(head, width) + textwrap.wrap(f"({numbers}" if numbers else "", width - 2)
+    return "\n  ".join(lines)
