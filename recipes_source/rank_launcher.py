@@ -166,6 +166,10 @@ def _write_stamp(device: str, ranks: int) -> None:
     }
     os.makedirs(stamp_dir, exist_ok=True)
     path = Path(stamp_dir) / f"{stamp['recipe']}.json"
+    # A page's stamp names the machine its launches ran on: the first launch's, unless a
+    # later one ran on GPUs where it did not (a page may show something on CPU ranks too).
+    if path.exists() and ("nccl" in json.loads(path.read_text())["backend"] or not _use_gpus()):
+        return
     path.write_text(json.dumps(stamp, indent=1) + "\n")
 
 

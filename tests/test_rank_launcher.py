@@ -6,6 +6,7 @@ two torchrun agents); these tests check what a reader sees when something goes w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,15 @@ def test_a_launch_forks_from_a_process_without_threads_of_its_own(recipe_runner)
     assert result.returncode == 0, output[-4000:]
     assert "threads before the launch: 2" in output, "OpenBLAS's pool runs beside the main thread"
     assert "[rank0] a rank started" in output and "[rank1] a rank started" in output
+
+
+def test_a_pages_run_stamp_names_its_first_launch(recipe_runner, tmp_path):
+    """A later launch on other ranks (a page shows something on two CPU ranks, say) does not
+    rename the machine the page ran on; only a launch on GPUs would."""
+    stamps = tmp_path / "stamps"
+    result = recipe_runner.script(
+        SCRIPTS / "two_launches.py", 2, 120, DCP_RECIPES_STAMP_DIR=str(stamps)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    stamp = json.loads((stamps / "two_launches.json").read_text())
+    assert stamp["world_size"] == 2 and stamp["backend"] == "gloo", stamp
