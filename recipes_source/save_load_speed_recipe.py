@@ -68,10 +68,9 @@ print(f"torch {torch.__version__}; checkpoint {SIZE_MB:g} MB, {REPEATS} repeats;
 # %%
 # The model
 # ---------
-# The model of every page of this site, sharded with FSDP2 over all ranks:
-# each rank holds, and saves, its own shard of every weight. Its width grows
-# with the checkpoint so that tensors have realistic sizes (16 MB weights at
-# 1 GB). The checkpoint holds the model's parameters only.
+# The model of every page of this site, sharded with FSDP2 over all ranks: each
+# rank saves its own shard of every weight, and only the parameters. Its width
+# grows with the checkpoint, so that tensors have realistic sizes.
 
 
 def model_shape(size_mb):
@@ -82,6 +81,7 @@ def model_shape(size_mb):
 
 WIDTH, DEPTH = model_shape(SIZE_MB)
 LR = 1e-2
+SECTION_SHAPE = model_shape(min(SIZE_MB, 128))  # for replicas and 20 saves: 128 MB at most
 
 
 class ToyModel(nn.Module):
@@ -308,7 +308,7 @@ figures.measured(
 
 def save_replicated(checkpoint_root, repeats):
     torch.manual_seed(0)
-    model = DistributedDataParallel(ToyModel().to(device_for_this_rank()))
+    model = DistributedDataParallel(ToyModel(*SECTION_SHAPE).to(device_for_this_rank()))
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     measured, bytes_written = [], {}
     for round_number in range(repeats + 1):  # round 0 warms up and is not kept
@@ -375,10 +375,10 @@ figures.Table(
 # %%
 # Host memory over 20 saves
 # -------------------------
-# Reports of "host memory grows with every async save" are common. Here each
-# rank saves the same model 20 times with each of three strategies, in fresh
-# ranks (under ``torchrun``, in the same ones), and reads its resident memory
-# (RSS) once each save is on disk: ``dcp.save`` writes from the model's
+# Reports of "host memory grows with every async save" are common. Each rank
+# saves a model (of 128 MB at most) 20 times with each of three strategies, in
+# fresh ranks (under ``torchrun``, in the same ones), and reads its resident
+# memory (RSS) once each save is on disk: ``dcp.save`` writes from the model's
 # tensors; ``dcp.async_save`` copies the state into new host memory at every
 # save and writes the copy in a thread; with one ``DefaultStager`` for all
 # saves, it copies into the same buffers every time. A training loop would
@@ -406,7 +406,9 @@ def staging_options(use_async_staging, checkpoint_process=False):
 
 
 def save_twenty_times(strategy, checkpoint_root):
-    model, _ = build_sharded_model(seed=0)
+    torch.manual_seed(0)
+    model = ToyModel(*SECTION_SHAPE).to(device_for_this_rank())
+    fully_shard(model)
     checkpoint_group = dist.new_group(backend="gloo")  # background saves: a group of their own
     reuse = "DefaultStager" in strategy
     stager = DefaultStager(staging_options(use_async_staging=True)) if reuse else None
@@ -493,7 +495,7 @@ BEST_SAVE = max(set(KNOBS) - {NO_FSYNC}, key=lambda name: stats.median(KNOBS[nam
 BEST_LOAD = max(KNOBS, key=lambda name: stats.median(KNOBS[name]["cold_load_GBps"]))
 GREW_MOST = memory.grew_most(MEMORY)
 MACHINE = results.record(
-    "machine", machine.describe() | dict(size_mb=SIZE_MB, repeats=REPEATS, width=WIDTH, depth=DEPTH)
+    "machine", machine.describe() | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE])
 )
 HEADLINE = results.record(
     "headline",
@@ -592,6 +594,5 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`: what each saving
-#   strategy costs the training loop, measured the same way.
+# * :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`: what each strategy costs a loop.
 # * :doc:`/troubleshooting`: symptoms and fixes, host memory that grows too.

@@ -62,7 +62,7 @@ def verdict(
 
 
 def median_range(values: Sequence[float] | dict, spec: str = ".2f", scale: float = 1.0) -> str:
-    """ "median (lowest-highest)" of repeated measurements (or of their ``summary``)."""
+    """The "median (lowest-highest)" of repeated measurements (or of their ``summary``)."""
     s = values if isinstance(values, dict) else summary(values)
     low, mid, high = (s[key] * scale for key in ("min", "median", "max"))
     return f"{mid:{spec}} ({low:{spec}}-{high:{spec}})"
