@@ -8,6 +8,7 @@ logs and for ``make gpu-check``.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import textwrap
 from collections.abc import Sequence
@@ -124,3 +125,78 @@ def timelines(
     )
     figure.tight_layout(rect=(0, 0.1, 1, 1))
     return figure
+
+
+def lines(
+    series: dict[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    level: float | None = None,
+    level_label: str = "",
+):
+    """A plot of one line per series, against 1, 2, 3, ... (saves, steps), with an optional
+    dotted level (one copy of a rank's share, say). Returns the matplotlib figure; on a
+    page, Sphinx-Gallery shows it under the cell."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    for label, values in series.items():
+        axis.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+    if level is not None:
+        axis.axhline(level, color="gray", linestyle=":", label=level_label)
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    longest = max((len(values) for values in series.values()), default=0)
+    axis.set_xticks(range(1, longest + 1, 2 if longest > 10 else 1))
+    axis.set_title(title, fontsize="medium")
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def save_with_results(figure, recipe: str | None = None):
+    """Write ``figure`` as a PNG beside the page's results file (``<recipe>.png``), where
+    there is one (the build's, ``make bench``'s); returns its path, or None."""
+    import os
+
+    from page_tools import results
+
+    path = results.results_path(recipe)
+    if path is None or os.environ.get("RANK", "0") != "0":
+        return None
+    png = path.with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png, dpi=120)
+    return png
+
+
+@dataclasses.dataclass
+class Column:
+    """A column of a ``measured`` table: ``key``'s repeated values as "median (lowest-highest)"
+    (times ``scale``), or, with ``of``, their median as a fraction of ``of``."""
+
+    title: str
+    key: str
+    spec: str = ".2f"
+    scale: float = 1.0
+    of: float | None = None
+
+
+def measured(
+    heading: str, groups: dict[str, dict[str, list]], columns: Sequence[Column], caption: str = ""
+) -> Table:
+    """One row per group of repeated measurements (``stats.group``), one cell per column."""
+    from page_tools import stats
+
+    def cell(group: dict[str, list], column: Column) -> Any:
+        values = group[column.key]
+        if column.of is not None:
+            return round(stats.median(values) / column.of, 2)
+        return stats.median_range(values, column.spec, column.scale)
+
+    return Table(
+        [heading, *(column.title for column in columns)],
+        [[name, *(cell(group, column) for column in columns)] for name, group in groups.items()],
+        caption,
+    )

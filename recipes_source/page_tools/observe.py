@@ -214,3 +214,13 @@ def raised_by(owner: Any, name: str):
             raise
 
     return around(owner, name, body)
+
+
+def checkpoint_id(call: Call) -> str | None:
+    """The checkpoint a DCP call (``save``, ``async_save``, ``load``) is about: its
+    ``checkpoint_id``, or the path of the ``storage_writer`` or ``storage_reader`` it was given."""
+    given = call.kwargs.get("checkpoint_id")
+    for storage in ("storage_writer", "storage_reader"):
+        if given is None and call.kwargs.get(storage) is not None:
+            given = getattr(call.kwargs[storage], "path", None)
+    return None if given is None else os.fspath(given)

@@ -29,7 +29,7 @@ import os
 import textwrap
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -647,3 +647,168 @@ def by_kind_table(
         ],
         caption,
     )
+
+
+# --------------------------------------------------------------------------
+# Fingerprints: checkpoints too large (or too many) to keep a copy of
+# --------------------------------------------------------------------------
+# A page that saves a gigabyte twenty times cannot keep a copy of each state. It keeps a
+# checksum of every tensor instead (a CRC-32 of its bytes on the CPU; on a device, an XOR
+# of every element's bits, computed there), and sets the state a load is given to NaN
+# first, so that a tensor the load skipped cannot match by accident.
+
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(tensor: torch.Tensor) -> tuple[str, int]:
+    """A checksum of this rank's part of ``tensor`` (of a ``DTensor``, its shard), computed
+    where the tensor is: no copy on the CPU, no host memory for a device tensor."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    flat = local.detach().contiguous().reshape(-1)
+    if flat.device.type == "cpu":
+        import zlib
+
+        return "crc32", zlib.crc32(memoryview(flat.view(torch.uint8).numpy()))
+    try:
+        bits = flat.view(_INTEGER_OF_SIZE[flat.element_size()])
+        return "xor", int(torch.hash_tensor(bits))
+    except (AttributeError, RuntimeError, NotImplementedError):  # no hash_tensor here
+        return checksum(flat.cpu())
+
+
+class TensorSum(NamedTuple):
+    """A tensor in a fingerprint: what this rank holds of it, summed up."""
+
+    shape: tuple[int, ...]  # the whole tensor's
+    dtype: str
+    checksum: tuple[str, int]  # of this rank's part
+
+
+def fingerprint(state_dict: Any) -> dict[str, Any]:
+    """This rank's fingerprint of a state: a ``TensorSum`` per tensor, by dotted name;
+    other values as they are."""
+    return {
+        name: TensorSum(tuple(value.shape), str(value.dtype), checksum(value))
+        if isinstance(value, torch.Tensor)
+        else copy.deepcopy(value)
+        for name, value in flatten(state_dict).items()
+    }
+
+
+def poison(state_dict: Any) -> int:
+    """Fill every tensor of a state (this rank's shards) with NaN (integers with -1), in
+    place; returns how many tensors. A load that skips one leaves it so."""
+    tensors = 0
+    with torch.no_grad():
+        for value in flatten(state_dict).values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                floating = local.is_floating_point() or local.is_complex()
+                local.fill_(float("nan") if floating else -1)
+                tensors += 1
+    return tensors
+
+
+@contextlib.contextmanager
+def poisoned(
+    owner: Any,
+    name: str,
+    position: int = 0,
+    keyword: str = "state_dict",
+    where: Callable[[observe.Call], bool] | None = None,
+) -> Iterator[None]:
+    """Inside the block, every call of ``owner.name`` (``dcp.load``) that ``where`` accepts
+    is given its state filled with NaN first (``poison``); on exit it is what it was."""
+    original = getattr(owner, name)
+
+    def poisoning(*args: Any, **kwargs: Any) -> Any:
+        call = observe.Call(args, kwargs)
+        if where is None or where(call):
+            poison(call.argument(position, keyword))
+        return original(*args, **kwargs)
+
+    with observe.replaced(owner, name, poisoning):
+        yield
+
+
+def checkpoint_matches(pattern: str) -> Callable[[observe.Call], bool]:
+    """For ``where=``: a DCP call whose checkpoint path matches the regular expression."""
+    import re
+
+    compiled = re.compile(pattern)
+    return lambda call: bool(compiled.search(observe.checkpoint_id(call) or ""))
+
+
+@dataclasses.dataclass
+class CheckedCheckpoints:
+    """What ``checkpoints_checked`` saw: (checkpoint, fingerprint) records, by rank."""
+
+    saved: list[observe.Calls]  # dcp.save's and dcp.async_save's, at the call
+    loaded: observe.Calls  # dcp.load's, once it returned
+
+
+@contextlib.contextmanager
+def checkpoints_checked(
+    dcp_module: Any, where: Callable[[observe.Call], bool] | None = None
+) -> Iterator[CheckedCheckpoints]:
+    """Fingerprint the state given to every ``save`` and ``async_save`` of ``dcp_module``,
+    poison the state given to every ``load``, and fingerprint what the load filled in.
+
+    ``where`` picks the calls (``checkpoint_matches``): the others run untouched, so a
+    page keeps this work out of the saves and loads it times. ``loads_match_saves``
+    decides the claim. Nothing of DCP stays changed after the block.
+    """
+
+    def record(call: observe.Call) -> tuple[str | None, dict[str, Any]]:
+        return observe.checkpoint_id(call), fingerprint(call.argument(0, "state_dict"))
+
+    with contextlib.ExitStack() as stack:
+        saved = [
+            stack.enter_context(observe.watch(dcp_module, name, record, before=True, where=where))
+            for name in ("save", "async_save")
+        ]
+        stack.enter_context(poisoned(dcp_module, "load", where=where))
+        loaded = stack.enter_context(observe.watch(dcp_module, "load", record, where=where))
+        yield CheckedCheckpoints(saved, loaded)
+
+
+def loads_match_saves(claim: str, checked: CheckedCheckpoints, what: str) -> dict[str, Any]:
+    """Decide that every load filled in, on every rank, the fingerprint that rank's save of
+    the same checkpoint was given (and that there were loads to check)."""
+    saves: dict[tuple[int, str | None], dict[str, Any]] = {}
+    for calls in checked.saved:
+        for rank, records in calls.by_rank.items():
+            for path, fingerprints in records:
+                saves[(rank, path)] = fingerprints
+    loads = [
+        (rank, path, fingerprints)
+        for rank, records in sorted(checked.loaded.by_rank.items())
+        for path, fingerprints in records
+    ]
+    unpaired, differ, tensors = [], [], 0
+    for rank, path, fingerprints in loads:
+        expected = saves.get((rank, path))
+        if expected is None:
+            unpaired.append(f"rank {rank}: {path}")
+            continue
+        tensors += sum(isinstance(v, TensorSum) for v in expected.values())
+        names = sorted(expected.keys() | fingerprints.keys())
+        differ += [
+            f"rank {rank}: {path}: {n}" for n in names if expected.get(n) != fingerprints.get(n)
+        ]
+    checkpoints = len({path for _, path, _ in loads})
+    ranks = len({rank for rank, _, _ in loads})
+    said = (
+        f"{what}: {checkpoints} checkpoints, {len(loads)} loads on {ranks} rank(s), "
+        f"{tensors} shards: {len(differ)} differ"
+    )
+    evidence = {
+        "checkpoints": checkpoints,
+        "loads": len(loads),
+        "ranks": ranks,
+        "tensors": tensors,
+        "differ": differ[:20],
+        "unpaired": unpaired[:20],
+    }
+    results.claim(claim, bool(loads) and not unpaired and not differ, said, **evidence)
+    return evidence

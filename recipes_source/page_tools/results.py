@@ -131,3 +131,22 @@ def problems(recipe: str, results: dict, on_gpu: bool) -> list[str]:
         f"{name!r} is recorded but not listed in claims/{recipe}.toml" for name in sorted(unlisted)
     ]
     return found
+
+
+def headline_line(path: Path) -> str:
+    """A results file's ``headline`` value (a dict of named numbers) as one line,
+    ``<recipe>: name value, ...``: what ``make bench`` prints after each benchmark."""
+    data = read(path)
+    headline = data.get("values", {}).get("headline")
+    if not isinstance(headline, dict):
+        raise ValueError(f"{path}: no headline recorded")
+    shown = ", ".join(
+        f"{name} {value:.3g}" if isinstance(value, float) else f"{name} {value}"
+        for name, value in headline.items()
+    )
+    return f"{data.get('recipe', Path(path).stem)}: {shown}"
+
+
+if __name__ == "__main__":  # python -m page_tools.results RESULTS.json ...: their headlines
+    for argument in sys.argv[1:]:
+        print(headline_line(Path(argument)))

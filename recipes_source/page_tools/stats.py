@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def summary(values: Sequence[float]) -> dict:
@@ -86,3 +87,70 @@ def wrapped(sentence: str, width: int = 88) -> str:
     head, _, numbers = sentence.partition(" (")
     lines = textwrap.wrap(head, width) + textwrap.wrap(f"({numbers}" if numbers else "", width - 2)
     return "\n  ".join(lines)
+
+
+def median_range(values: Sequence[float] | dict, spec: str = ".2f", scale: float = 1.0) -> str:
+    """The "median (lowest-highest)" of repeated measurements (or of their ``summary``)."""
+    s = values if isinstance(values, dict) else summary(values)
+    low, mid, high = (s[key] * scale for key in ("min", "median", "max"))
+    return f"{mid:{spec}} ({low:{spec}}-{high:{spec}})"
+
+
+def word(diff: dict, more: str = "more", less: str = "less") -> str:
+    """A ``difference`` in a word: "within noise", or which way ``b`` went from ``a``."""
+    if diff["within_noise"]:
+        return "within noise"
+    return more if diff["effect"] > 0 else less
+
+
+def tell(
+    a_name: str,
+    a: Sequence[float],
+    b_name: str,
+    b: Sequence[float],
+    unit: str,
+    scale: float = 1.0,
+    width: int = 88,
+) -> dict:
+    """Print ``verdict``'s sentence in lines that fit a page's column; returns its numbers."""
+    import textwrap
+
+    said, diff = verdict(a_name, a, b_name, b, unit, scale)
+    print(textwrap.fill(said, width))
+    return diff
+
+
+def median(values: Sequence[float] | dict) -> float:
+    """The median of repeated measurements (or of their ``summary``)."""
+    return values["median"] if isinstance(values, dict) else summary(values)["median"]
+
+
+def group(
+    records: Sequence[dict], by: str, where: Callable[[dict], bool] | None = None
+) -> dict[Any, dict[str, list]]:
+    """Measurements (dicts) grouped by their value of ``by``, in first-seen order: for each
+    group, every other key's values as a list, in record order (one per repeat). ``where``
+    keeps only some records (the timed rounds, say)."""
+    groups: dict[Any, dict[str, list]] = {}
+    for record in records:
+        if where is None or where(record):
+            entry = groups.setdefault(record[by], {})
+            for key, value in record.items():
+                if key != by:
+                    entry.setdefault(key, []).append(value)
+    return groups
+
+
+def verdict_cells(
+    a: Sequence[float],
+    b: Sequence[float],
+    unit: str,
+    scale: float = 1.0,
+    words: tuple[str, str] = ("faster", "slower"),
+    spec: str = ".2f",
+) -> list[str]:
+    """Two table cells comparing ``b`` with ``a``: the ``word`` of their ``difference`` (more,
+    less, or "within noise"), and "+0.12 GB/s, noise 0.05": the numbers it rests on."""
+    diff = difference(a, b)
+    numbers = f"{diff['effect'] * scale:+{spec}} {unit}, noise {diff['noise'] * scale:{spec}}"
+    return [word(diff, *words), numbers]

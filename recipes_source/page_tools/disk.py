@@ -1,0 +1,279 @@
+"""Disk limits: how fast this machine writes + fsyncs, and reads, a checkpoint's bytes, the
+way DCP's ``FileSystemWriter`` and ``FileSystemReader`` do, and nothing else.
+
+``measure_limits`` runs on every rank (``run_on_ranks(disk.measure_limits, ...)``) with the
+rank's own shards. For 1, 2, 4 threads it splits them as ``FileSystemWriter(thread_count=N)``
+does (largest tensor first, into the emptiest bucket), and each thread writes one file
+straight from the tensors' memory (a ``memoryview``, no copy: ``tensor.numpy().tobytes()``
+would copy every tensor first, and a "limit" measured that way can be slower than DCP
+itself), then ``fsync``s it. It reads the files back into buffers it already touched, twice:
+after dropping them from the page cache (``evict``: from storage), and right after (from
+the page cache). All ranks write and read at the same time, as they do in a save; round 0
+warms up and is not kept. It also times what DCP does to every tensor besides the disk:
+``torch.save`` of each (no disk: into ``/dev/null``) and ``torch.load`` + copy (from memory).
+
+``bandwidths`` turns every rank's seconds into GB/s, all bytes over the slowest rank's
+time, and the limit of each kind: the best that any repeat with any thread count reached.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from page_tools import figures, stats
+
+KINDS = {
+    "write_fsync": "write + fsync",
+    "read_storage": "read from storage",
+    "read_cache": "read from page cache",
+}
+SERIALIZATION = {"torch_save": "torch.save, no disk", "torch_load": "torch.load + copy"}
+
+
+def evict(paths: Iterable[str]) -> int:
+    """Drop files (or every file of a directory) from the page cache, after ``fsync``: dirty
+    pages cannot be dropped. The next read goes to storage. Returns how many files."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += [os.path.join(path, name) for name in sorted(os.listdir(path))]
+        else:
+            files.append(path)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
+
+
+def split_like_dcp(tensors: Sequence[torch.Tensor], buckets: int) -> list[list[torch.Tensor]]:
+    """``FileSystemWriter``'s buckets: largest tensor first, into the emptiest bucket."""
+    split: list[list[torch.Tensor]] = [[] for _ in range(buckets)]
+    sizes = [0] * buckets
+    for tensor in sorted(tensors, key=lambda t: t.nbytes, reverse=True):
+        emptiest = sizes.index(min(sizes))
+        split[emptiest].append(tensor)
+        sizes[emptiest] += tensor.nbytes
+    return split
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_and_sync(path: str, tensors: Sequence[torch.Tensor]) -> None:
+    """One writer thread's file: the tensors' own memory, then ``fsync``."""
+    with open(path, "wb") as file:  # FileSystemWriter opens its files the same way
+        for tensor in tensors:
+            file.write(_bytes_of(tensor))
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def read_into(path: str, buffer: torch.Tensor) -> None:
+    """Read a whole file into a byte tensor that is already allocated and touched."""
+    view = _bytes_of(buffer)
+    with open(path, "rb", buffering=0) as file:
+        while view:
+            view = view[file.readinto(view) :]
+
+
+def _in_threads(work: Callable[..., None], argument_tuples: Iterable[tuple]) -> None:
+    threads = [threading.Thread(target=work, args=args) for args in argument_tuples]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _timed(work: Callable[..., Any], *args: Any) -> float:
+    """Seconds of ``work(*args)`` on this rank, every rank started together."""
+    _barrier()
+    started = time.perf_counter()
+    work(*args)
+    return time.perf_counter() - started
+
+
+def host_shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's part of every parameter, in host memory (as DCP writes it: a device
+    tensor is copied to the host first; a CPU shard is the tensor's own memory)."""
+    shards = []
+    for parameter in model.parameters():
+        tensor = parameter.detach()
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        shards.append(tensor.cpu())
+    return shards
+
+
+def measure_limits(
+    make_model: Callable[[], torch.nn.Module],
+    directory: str,
+    threads: Sequence[int] = (1, 2, 4),
+    repeats: int = 2,
+) -> dict:
+    """On one rank: seconds of write + fsync, of a read from storage and of a read from the
+    page cache for each thread count, ``repeats`` times after a warm-up round; seconds of
+    ``torch.save`` and ``torch.load`` + copy of every tensor; whether every file read back
+    held the bytes written. ``make_model()`` builds the model whose shards are written."""
+    tensors = host_shards(make_model())
+    seconds: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in threads} for kind in KINDS}
+    read_back_equal = True
+    for repeat in range(repeats + 1):  # round 0 warms up and is not kept
+        for count in threads:
+            path = os.path.join(directory, f"probe-{count}-{repeat}")
+            os.makedirs(path, exist_ok=True)
+            buckets = split_like_dcp(tensors, count)
+            files = [os.path.join(path, f"__{_rank()}_{i}.distcp") for i in range(count)]
+            writes = list(zip(files, buckets, strict=True))
+            write_s = _timed(_in_threads, write_and_sync, writes)
+            buffers = [torch.zeros(sum(t.nbytes for t in b), dtype=torch.uint8) for b in buckets]
+            reads = list(zip(files, buffers, strict=True))
+            evict(files)
+            storage_s = _timed(_in_threads, read_into, reads)  # from storage
+            cache_s = _timed(_in_threads, read_into, reads)  # from the page cache
+            for bucket, buffer in zip(buckets, buffers, strict=True):
+                written = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket])
+                read_back_equal = read_back_equal and torch.equal(written, buffer)
+            _barrier()
+            if _rank() == 0:
+                shutil.rmtree(path)
+            if repeat > 0:
+                for kind, value in zip(KINDS, (write_s, storage_s, cache_s), strict=True):
+                    seconds[kind][count].append(value)
+    serialization = serialization_seconds(tensors, repeats)
+    return {
+        "bytes": sum(t.nbytes for t in tensors),
+        "seconds": seconds,
+        **serialization,
+        "read_back_equal": read_back_equal,
+    }
+
+
+def serialization_seconds(tensors: Sequence[torch.Tensor], repeats: int) -> dict:
+    """What FileSystemWriter does to every tensor before its bytes reach a file (``torch.save``,
+    a zip record with its CRC-32: here into ``/dev/null``), and what FileSystemReader does
+    after reading them (``torch.load`` into a new tensor, then a copy into the model's): one
+    thread, no disk; ``repeats`` times each."""
+
+    def save_all() -> None:
+        with open(os.devnull, "wb") as sink:
+            for tensor in tensors:
+                torch.save(tensor, sink)
+
+    blobs = []
+    for tensor in tensors:
+        blob = io.BytesIO()
+        torch.save(tensor, blob)
+        blobs.append(blob.getvalue())
+
+    def load_all() -> None:
+        for tensor, blob in zip(tensors, blobs, strict=True):
+            tensor.copy_(torch.load(io.BytesIO(blob), weights_only=True))
+
+    return {
+        "torch_save": [_timed(save_all) for _ in range(repeats)],
+        "torch_load": [_timed(load_all) for _ in range(repeats)],
+    }
+
+
+def gbps(total_bytes: float, seconds_per_rank: Sequence[float]) -> float:
+    """A collective operation's bandwidth: all ranks' bytes over the slowest rank's time."""
+    return total_bytes / max(seconds_per_rank) / 1e9
+
+
+def bandwidths(runs: Sequence[dict]) -> dict:
+    """Every rank's ``measure_limits`` as GB/s: per kind and thread count, the ``stats.summary``
+    of its repeats; the limit of each kind (the highest of them all); the serialization
+    costs; and the raw seconds, by rank."""
+    total = sum(run["bytes"] for run in runs)
+
+    def per_repeat(per_rank: list[list[float]]) -> dict:
+        return stats.summary([gbps(total, s) for s in zip(*per_rank, strict=True)])
+
+    kinds = {
+        kind: {
+            n: per_repeat([run["seconds"][kind][n] for run in runs])
+            for n in runs[0]["seconds"][kind]
+        }
+        for kind in KINDS
+    }
+    return {
+        "ranks": len(runs),
+        "bytes_per_rank": [run["bytes"] for run in runs],
+        "total_bytes": total,
+        "GBps": kinds,
+        "limit": {kind: max(s["max"] for s in kinds[kind].values()) for kind in KINDS},
+        "serialization_GBps": {
+            kind: per_repeat([run[kind] for run in runs]) for kind in SERIALIZATION
+        },
+        "seconds_per_rank": [
+            {"seconds": run["seconds"], **{kind: run[kind] for kind in SERIALIZATION}}
+            for run in runs
+        ],
+    }
+
+
+def one_thread(limits: dict, cost: str, kind: str) -> float:
+    """The most GB/s one thread reaches when, for every byte, it does ``cost`` (``torch_save``)
+    and then ``kind`` (``write_fsync``), each at its median speed with one thread:
+    1 / (1 / cost + 1 / kind)."""
+    first = stats.median(limits["serialization_GBps"][cost])
+    second = stats.median(limits["GBps"][kind][min(limits["GBps"][kind])])
+    return 1 / (1 / first + 1 / second)
+
+
+def storage_against_cache(limits: dict) -> dict:
+    """Print whether one thread's reads from storage and from the page cache differ beyond
+    noise (``stats.tell``): where they do not, the host probably caches the disk."""
+    one = min(limits["GBps"]["read_storage"])
+    return stats.tell(
+        "one thread's read from storage",
+        limits["GBps"]["read_storage"][one]["values"],
+        "from the page cache",
+        limits["GBps"]["read_cache"][one]["values"],
+        "GB/s",
+    )
+
+
+def table(limits: dict) -> figures.Table:
+    """The limits as the page shows them: GB/s, median (lowest-highest), and the limit."""
+    threads = list(next(iter(limits["GBps"].values())))
+    rows = [
+        [label, *(stats.median_range(limits["GBps"][kind][n]) for n in threads)]
+        + [round(limits["limit"][kind], 2)]
+        for kind, label in KINDS.items()
+    ]
+    rows += [
+        [label, stats.median_range(limits["serialization_GBps"][kind]), *[""] * len(threads)]
+        for kind, label in SERIALIZATION.items()
+    ]
+    return figures.Table(
+        ["GB/s", *(f"{n} thread{'s' if n > 1 else ''}" for n in threads), "limit"],
+        rows,
+        caption=(
+            f"{limits['total_bytes'] / 1e6:,.0f} MB on {limits['ranks']} rank(s), median "
+            f"(lowest-highest) of {len(limits['GBps']['write_fsync'][threads[0]]['values'])}; "
+            "torch.save and torch.load: one thread, no disk"
+        ),
+    )
