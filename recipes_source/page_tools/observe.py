@@ -152,3 +152,19 @@ def watch(
             yield calls
         finally:
             calls.by_rank = spool.collect()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[tuple[Callable[[Any], None], Calls]]:
+    """``(put, calls)``: what a page's own wrapper ``put``s, from any thread of any rank,
+    comes back in ``calls.by_rank`` when the block ends (as with ``watch``).
+
+    For records that a watch cannot take when a call returns: a wrapper may ``put`` later,
+    from a callback (when a checkpoint becomes durable, say). The ranks must be forked
+    inside the block, as for ``watch``.
+    """
+    spool, calls = _Spool(), Calls()
+    try:
+        yield spool.put, calls
+    finally:
+        calls.by_rank = spool.collect()
