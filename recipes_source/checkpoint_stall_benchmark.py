@@ -20,9 +20,8 @@ as noise, never as advice.
        * Five ways of saving from one training loop: ``dcp.save``,
          ``async_save``, ``async_save`` with a reused stager, ``DefaultStager``
          overlap and the checkpoint process
-       * Time what the loop waits for, in the loop itself: the stall per
-         checkpoint and the steps that overlap a save, with a warm-up round
-         and the strategies interleaved
+       * Time the stall per checkpoint in the loop itself, over a warm-up
+         round and rounds in which the strategies take turns
        * Tell an effect from noise: the median next to its spread
        * Budget CPU threads between training and the background writer
        * Run the same benchmark at full size with ``make bench``
@@ -41,10 +40,9 @@ as noise, never as advice.
 # Setup
 # -----
 # The page trains a small model so that it builds in seconds. ``make bench``
-# runs this file under ``torchrun`` at full size: a checkpoint of about 1 GB
-# (``DCP_RECIPES_BENCH_GB``), 4 steps between checkpoints, 2 measured rounds
-# (``DCP_RECIPES_BENCH_REPEATS``). It keeps every number the page measured, and
-# the figure, in ``_build/bench/``.
+# runs this file under ``torchrun`` at full size (``BENCH`` below: a checkpoint
+# of about 1 GB, 4 steps between checkpoints) and keeps every number the page
+# measured, and the figure, in ``_build/bench/``.
 
 import os
 import shutil
@@ -527,8 +525,10 @@ figures.save_beside(FIGURE, results.results_path())  # make bench: beside the re
 
 
 # %%
-# The thread budget, measured: the cores, each rank's training threads and, where
-# the knob ran (``torchrun``, a core to spare), ``DefaultStager``'s cost with both.
+# The thread budget, measured
+# ---------------------------
+# The cores, each rank's training threads and, where the knob ran (``torchrun``
+# with a core to spare), ``DefaultStager``'s cost with both budgets.
 
 KNOB = stalls.thread_knob(SUMMARY, "DefaultStager overlap", THREADS, cores_per_rank())
 results.record("thread_knob", KNOB)
