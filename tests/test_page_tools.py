@@ -1282,3 +1282,363 @@ def test_the_speed_pages_modules_import_without_a_site_build():
     code = "import page_tools.timing, page_tools.disk, page_tools.memory"
     env = dict(os.environ, PYTHONPATH=str(RECIPES))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd="/")
+
+
+# --------------------------------------------------------------------------
+# checkpoint_stall_benchmark: observe.recording, timing, memory, disk, stats, stalls, figures
+# --------------------------------------------------------------------------
+
+import shutil  # noqa: E402
+import warnings  # noqa: E402
+
+from page_tools import stalls  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+
+def _single_process_dcp():
+    """DCP in this process, without a process group: its warning about that silenced."""
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    return context
+
+
+def test_recording_brings_back_what_a_thread_put_later():
+    with observe.recording() as (put, calls):
+        worker = threading.Thread(target=put, args=({"from": "a callback"},))
+        worker.start()
+        worker.join()
+        put("from the caller")
+    assert calls.by_rank == {0: [{"from": "a callback"}, "from the caller"]}
+
+
+def test_checkpoint_saves_times_each_save_until_durable_and_restores_dcp(tmp_path):
+    save, async_save = dcp.save, dcp.async_save
+    state = {"w": torch.arange(6.0)}
+    quiet = _single_process_dcp()
+    try:
+        with timing.checkpoint_saves(dcp) as saves:
+            dcp.save(state, checkpoint_id=str(tmp_path / "blocking"))
+            dcp.async_save(state, checkpoint_id=tmp_path / "background").result()
+            (tmp_path / "a-file").write_text("not a directory")
+            with pytest.raises(CheckpointException):
+                dcp.save(state, checkpoint_id=str(tmp_path / "a-file" / "x"))
+    finally:
+        quiet.__exit__(None, None, None)
+    assert dcp.save is save and dcp.async_save is async_save
+    recorded = {Path(r["checkpoint_id"]).name: r for r in saves.by_rank[0]}
+    blocking, background, failed = (recorded[n] for n in ("blocking", "background", "x"))
+    assert blocking["call"] == "save" and blocking["error"] is None
+    assert blocking["called"] <= blocking["returned"] == blocking["durable"]
+    assert background["call"] == "async_save" and background["error"] is None
+    assert background["called"] <= background["returned"] <= background["durable"]
+    assert background["checkpoint_id"] == str(tmp_path / "background")
+    assert failed["durable"] is None and failed["error"]
+    assert (tmp_path / "background" / ".metadata").exists()
+    found = timing.by_checkpoint(saves)
+    assert found[str(tmp_path / "blocking")][0]["rank"] == 0
+
+
+def test_peak_sampler_sees_memory_allocated_while_it_runs():
+    sampler = memory.PeakSampler(interval_s=0.005).start()
+    held = torch.ones(50_000_000, dtype=torch.uint8)  # 50 MB, every page touched
+    deadline = time.monotonic() + 2
+    while sampler.samples < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    measured = sampler.stop()
+    del held
+    assert 40 < measured["peak_mb"] < 500, measured
+    assert measured["baseline_mb"] > 0 and measured["samples"] >= 3
+
+
+class _Run:
+    def begin(self):
+        return "began"
+
+    def end(self):
+        return "ended"
+
+
+def test_peak_between_measures_each_stretch_and_restores_both_functions():
+    begin, end = vars(_Run)["begin"], vars(_Run)["end"]
+    with memory.peak_between((_Run, "begin"), (_Run, "end"), interval_s=0.005) as peaks:
+        run = _Run()
+        assert run.begin() == "began"
+        held = torch.ones(30_000_000, dtype=torch.uint8)
+        time.sleep(0.05)
+        assert run.end() == "ended"
+        del held
+        run.begin()
+        run.end()
+        run.end()  # a stop without a start measures nothing
+    assert vars(_Run)["begin"] is begin and vars(_Run)["end"] is end
+    first, second = peaks.by_rank[0]
+    assert first["peak_mb"] > 20 > second["peak_mb"], (first, second)
+
+
+def _saved_checkpoint(path):
+    quiet = _single_process_dcp()
+    try:
+        dcp.save({"w": torch.arange(1000.0), "b": torch.ones(10)}, checkpoint_id=str(path))
+    finally:
+        quiet.__exit__(None, None, None)
+    return path
+
+
+def test_checkpoint_on_disk_finds_what_is_missing(tmp_path):
+    path = _saved_checkpoint(tmp_path / "step-1")
+    assert disk.checkpoint_on_disk(path) == {"metadata": True, "entries": 2, "missing": []}
+    assert disk.loads_in_one_process(path) == {"tensors": 2, "finite": True}
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a writer that stopped half-way
+    assert disk.checkpoint_on_disk(path)["missing"], "the truncated tensor is missing"
+    (path / ".metadata").unlink()
+    assert disk.checkpoint_on_disk(path) == {
+        "metadata": False,
+        "entries": 0,
+        "missing": [".metadata"],
+    }
+
+
+def test_checked_before_removal_checks_only_below_its_root_and_restores_rmtree(tmp_path):
+    rmtree = shutil.rmtree
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _saved_checkpoint(root / "run" / "step-0")
+    time.sleep(0.01)
+    _saved_checkpoint(root / "run" / "step-2")
+    elsewhere.mkdir()
+    with disk.checked_before_removal(root) as removals:
+        shutil.rmtree(root / "run")
+        shutil.rmtree(elsewhere)
+        shutil.rmtree(root / "never-made", ignore_errors=True)
+    assert shutil.rmtree is rmtree
+    assert not (root / "run").exists() and not elsewhere.exists()
+    (removal,) = removals.by_rank[0]
+    assert removal["directory"] == str(root / "run")
+    assert sorted(removal["checkpoints"]) == ["step-0", "step-2"]
+    assert removal["newest"] == "step-2" and removal["loaded"] == {"tensors": 2, "finite": True}
+
+
+def test_copy_and_write_speeds_in_one_process(tmp_path):
+    speeds = disk.copy_and_write_speeds(4_000_000, tmp_path, threads=1, repeats=2)
+    assert speeds["bytes"] == 4_000_000
+    assert all(speeds[k] > 0 for k in ("copy_reused", "copy_fresh", "write_fsync"))
+    assert list(tmp_path.iterdir()) == [], "the probe file is removed"
+    ranks = [
+        {"copy_reused": 2.0, "write_fsync": 1.0, "bytes": 8},
+        {"copy_reused": 3.0, "write_fsync": 0.5, "bytes": 8},
+    ]
+    assert disk.slowest(ranks) == {"copy_reused": 2.0, "write_fsync": 0.5}
+
+
+def test_an_effect_below_its_spread_or_below_neutral_is_noise():
+    assert not stats.effect([1.0, 1.1], 0.0)["within_noise"]
+    assert stats.effect([0.1, 1.0], 0.0)["within_noise"], "a spread wider than the effect"
+    negative = stats.effect([-0.30, -0.31], 0.0)
+    assert negative["within_noise"] and negative["effect"] == pytest.approx(-0.305)
+    assert stats.effect([1.5, 1.6], 1.0)["effect"] == pytest.approx(0.55)
+    assert (
+        stats.shown_entry(stats.effect([0.1, 1.0]), ".2f", " s")
+        == "0.55 s [0.10 .. 1.00] within noise"
+    )
+    assert stats.shown_entry(None, ".2f", " s") == "-"
+
+
+def test_below_goal_is_met_missed_or_undecided():
+    assert stats.below_goal([1.0, 1.1], [5.0, 5.0])["met"] is True
+    assert stats.below_goal([5.0, 5.1], [1.0, 1.0])["met"] is False
+    assert stats.below_goal([1.0, 3.0], [2.0, 2.1])["met"] is None
+
+
+def _run(stall, wall, steps, peak, checkpoints=2, loss=0.5, threads=1, saves_s=0.1):
+    paths = [f"/c/step-{i}" for i in range(checkpoints)]
+    return {
+        "strategy": "x",
+        "threads": threads,
+        "round": 1,
+        "checkpoints": paths,
+        "first_checkpoint_s": 0.3,
+        "stall_s": stall,
+        "steps": steps,
+        "wall_s": wall,
+        "loss": loss,
+        "peak_memory_mb": peak,
+        "saves": [{"called": 0.0, "durable": saves_s, "error": None} for _ in paths],
+    }
+
+
+def test_metrics_of_a_run_against_its_rounds_baseline():
+    baseline = [_run(0, 1.0, [[0.1, False]] * 4, 100, checkpoints=0)]
+    run = [
+        _run(0.2, 1.5, [[0.2, True], [0.1, False]], 150, checkpoints=3, saves_s=0.4),
+        _run(0.3, 1.4, [[0.4, True], [0.1, False]], 130, checkpoints=3, saves_s=0.5),
+    ]
+    found = stalls.metrics(run, baseline)
+    assert found["stall_per_checkpoint_s"] == pytest.approx(0.3 / 2)  # the slowest rank, 2 timed
+    assert found["overlapped_step_slowdown"] == pytest.approx(0.3 / 0.1)  # median of 0.2, 0.4
+    assert found["overhead_s"] == pytest.approx(0.5)
+    assert found["extra_memory_mb"] == pytest.approx(50)
+    assert found["time_until_durable_s"] == pytest.approx(0.5)
+    assert found["first_checkpoint_s"] == pytest.approx(0.3)
+    assert stalls.metrics(baseline, baseline)["stall_per_checkpoint_s"] is None
+
+
+def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
+    runs = {
+        "no checkpoint": [
+            [_run(0, 1.0, [[0.1, False]], 100, 0)],
+            [_run(0, 2.0, [[0.1, False]], 100, 0)],
+        ],
+        "dcp.save": [[_run(0.2, 1.5, [[0.1, False]], 90)], [_run(0.25, 2.5, [[0.1, False]], 95)]],
+    }
+    summary = stalls.summarize(runs)
+    assert summary["dcp.save"]["overhead_s"]["values"] == pytest.approx([0.5, 0.5])
+    assert summary["dcp.save"]["overhead_s"]["within_noise"] is False
+    assert summary["dcp.save"]["extra_memory_mb"]["within_noise"] is True, "below zero: noise"
+    assert summary["dcp.save"]["overlapped_step_slowdown"] is None, "no step overlapped a save"
+    assert "within_noise" not in summary["no checkpoint"]["overhead_s"]
+    assert stalls.baseline_of("DefaultStager overlap (2 threads)") == "no checkpoint (2 threads)"
+    assert (
+        stalls.label("dcp.save", 2, 1) == "dcp.save (2 threads)" and stalls.label("a", 1, 1) == "a"
+    )
+
+
+def test_goals_cannot_be_met_against_a_reference_that_is_noise():
+    summary = {
+        "dcp.save": {"overhead_s": stats.effect([1.0, 1.1])},
+        "fast": {"overhead_s": stats.effect([0.01, 0.02])},
+        "slow": {"overhead_s": stats.effect([0.9, 0.95])},
+    }
+    assert stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]["met"] is True
+    assert stalls.goals(summary, "slow", {"overhead_s": 0.1})["overhead_s"]["met"] is False
+    summary["dcp.save"]["overhead_s"] = stats.effect([-0.2, 1.0])
+    undecided = stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]
+    assert undecided["met"] is None and "within noise" in undecided["said"]
+
+
+def test_advice_gives_none_where_the_lead_is_noise():
+    summary = {
+        "a": {"stall_per_checkpoint_s": stats.effect([0.10, 0.11])},
+        "b": {"stall_per_checkpoint_s": stats.effect([0.50, 0.52])},
+        "c": {"stall_per_checkpoint_s": stats.effect([0.105, 0.2])},
+    }
+    found = stalls.advice(summary, ["a", "b", "c"], {"stall_per_checkpoint_s": "it matters"})
+    assert found["stall_per_checkpoint_s"]["best"] == "a"
+    assert found["stall_per_checkpoint_s"]["second"] == "c"
+    assert found["stall_per_checkpoint_s"]["choose"] is None
+    found = stalls.advice(summary, ["a", "b"], {"stall_per_checkpoint_s": "it matters"})
+    assert found["stall_per_checkpoint_s"]["choose"] == "a"
+
+
+def test_the_benchmarks_checks_fail_where_they_should():
+    assert stalls.interleaved([(0, "a"), (0, "b"), (1, "a"), (1, "b")], ["a", "b"], 1)
+    assert not stalls.interleaved([(0, "a"), (0, "b"), (1, "b"), (1, "a")], ["a", "b"], 1)
+    same = {"warmup": {"a": [_run(0, 1, [], 0)]}, "runs": {"b": [[_run(0, 1, [], 0)]]}}
+    assert stalls.same_losses(same)["held"]
+    same["runs"]["b"][0][0]["loss"] = 0.5000001
+    assert not stalls.same_losses(same)["held"]
+    blocking = {"warmup": {}, "runs": {"dcp.save": [[_run(0.2, 1, [], 0, checkpoints=3)]]}}
+    assert stalls.timers_enclose_blocking_saves(blocking)["held"]  # 0.2 >= 2 x 0.1
+    blocking["runs"]["dcp.save"][0][0]["stall_s"] = 0.15
+    assert not stalls.timers_enclose_blocking_saves(blocking)["held"]
+
+
+def test_complete_checkpoints_needs_every_checkpoint_checked_on_disk():
+    run = _run(0.2, 1, [], 0, checkpoints=2)
+    good = {"metadata": True, "entries": 2, "missing": []}
+    removal = {
+        "directory": "/c",
+        "checkpoints": {"step-0": good, "step-1": good},
+        "newest": "step-1",
+        "loaded": {"tensors": 2, "finite": True},
+    }
+    collected = {"warmup": {}, "runs": {"dcp.save": [[run]]}, "removals": [removal]}
+    assert stalls.complete_checkpoints(collected)["held"]
+    removal["checkpoints"]["step-1"] = {**good, "missing": ["w in __0_0.distcp"]}
+    assert stalls.complete_checkpoints(collected)["incomplete"] == ["/c/step-1"]
+    assert not stalls.complete_checkpoints(collected)["held"]
+    removal["checkpoints"]["step-1"] = good
+    run["saves"][0]["durable"] = None  # a save that never became durable
+    assert not stalls.complete_checkpoints(collected)["held"]
+
+
+def test_collect_refuses_runs_and_watches_that_do_not_match():
+    run = {**_run(0.1, 1, [], 0, checkpoints=1), "strategy": "dcp.save", "round": 0}
+    run.pop("saves"), run.pop("peak_memory_mb")
+    saves = observe.Calls({0: [{"checkpoint_id": "/c/step-0", "called": 0.0, "durable": 1.0}]})
+    collected = stalls.collect(
+        [[run]], saves, observe.Calls({0: [{"peak_mb": 5.0}]}), observe.Calls(), 1
+    )
+    assert collected["order"] == [(0, "dcp.save")]
+    assert collected["warmup"]["dcp.save"][0]["peak_memory_mb"] == 5.0
+    with pytest.raises(ValueError, match="memory peaks"):
+        stalls.collect([[run]], saves, observe.Calls({0: []}), observe.Calls(), 1)
+    with pytest.raises(ValueError, match="other than once"):
+        stalls.collect(
+            [[run]], observe.Calls(), observe.Calls({0: [{"peak_mb": 5.0}]}), observe.Calls(), 1
+        )
+
+
+def test_adam_checkpoint_bytes_counts_each_parameter_three_times_without_allocating():
+    assert stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(4, 4)) == 3 * 4 * (16 + 4)
+    big = stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(100_000, 100_000))  # 40 GB
+    assert big == 3 * 4 * (100_000**2 + 100_000)
+
+
+def test_medians_with_whiskers_draws_a_panel_per_quantity_and_saves_beside_results(tmp_path):
+    entries = [stats.effect([1.0, 2.0]), stats.effect([0.1, 0.3])]
+    figure = figures.medians_with_whiskers(
+        ["a", "b"],
+        [
+            {
+                "entries": entries,
+                "labels": ["1.5", "0.2"],
+                "xlabel": "s",
+                "log": True,
+                "reference": (0.5, "one copy"),
+            },
+            {"entries": entries, "labels": ["x", "y"], "xlabel": "s"},
+        ],
+        "title",
+    )
+    left, right = figure.axes
+    assert left.get_xscale() == "log" and right.get_xscale() == "linear"
+    assert [t.get_text() for t in left.get_yticklabels()] == ["a", "b"]
+    path = figures.save_beside(figure, tmp_path / "page.json")
+    assert path == tmp_path / "page.png" and path.read_bytes().startswith(b"\x89PNG")
+    assert figures.save_beside(figure, None) is None
+
+
+def test_thread_knob_says_why_it_did_not_run_and_compares_budgets_where_it_did():
+    summary = {"DefaultStager overlap": {"overhead_s": stats.effect([0.5, 0.6])}}
+    forked = stalls.thread_knob(summary, "DefaultStager overlap", 1, 2)
+    assert forked == {
+        "ran": False,
+        "why": "forked ranks train with one thread (make bench runs it)",
+    }
+    assert stalls.thread_knob(summary, "DefaultStager overlap", 1, 1)["why"] == "no core to spare"
+    summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([1.5, 1.6])}
+    knob = stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)
+    assert knob["ran"] and knob["threads"] == {"recommended": 3, "every_core": 4}
+    assert knob["said"].startswith("3 training thread(s): 1 s less than 4")
+
+
+def test_ratios_flag_an_overhead_ratio_that_rests_on_noise():
+    summary = {
+        "dcp.save": {
+            "stall_per_checkpoint_s": stats.effect([1.0, 1.0]),
+            "overhead_s": stats.effect([2.0, 2.2]),
+        },
+        "quiet": {
+            "stall_per_checkpoint_s": stats.effect([0.1, 0.1]),
+            "overhead_s": stats.effect([-0.1, 0.3]),
+        },
+    }
+    found = stalls.ratios(summary, ["dcp.save", "quiet"], copy_seconds=0.05)
+    assert found["quiet"]["stall_vs_copy_time"] == pytest.approx(2.0)
+    assert found["quiet"]["stall_vs_dcp_save"] == pytest.approx(0.1)
+    assert (
+        found["quiet"]["overhead_within_noise"] and not found["dcp.save"]["overhead_within_noise"]
+    )
+    cells = stalls.ratios_table(found, 0.05).rows
+    assert cells[1][3] == "0.05 (noise)" and cells[0][3] == 1.0

@@ -200,3 +200,56 @@ def measured(
         [[name, *(cell(group, column) for column in columns)] for name, group in groups.items()],
         caption,
     )
+
+
+def medians_with_whiskers(names: Sequence[str], panels: Sequence[dict], title: str = ""):
+    """Horizontal bars side by side, one panel per measured quantity: each bar a median, its
+    whisker the lowest and highest measurement (``stats.summary`` entries).
+
+    A panel is a dict: ``entries`` (one per name), ``xlabel``, ``labels`` (the text beside
+    each bar), and optionally ``log`` (a log scale), ``reference`` (``(value, label)``: a
+    dashed line) and ``color``. Returns the matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), sharey=True)
+    for axis, panel in zip([axes] if len(panels) == 1 else axes, panels, strict=True):
+        entries = panel["entries"]
+        medians = [e["median"] for e in entries]
+        whiskers = [
+            [e["median"] - e["min"] for e in entries],
+            [e["max"] - e["median"] for e in entries],
+        ]
+        bars = axis.barh(names, medians, xerr=whiskers, color=panel.get("color"), capsize=3)
+        axis.bar_label(bars, panel["labels"], padding=8, fontsize="small")
+        if panel.get("reference"):
+            value, text = panel["reference"]
+            axis.axvline(value, color="black", linestyle="--", label=text)
+            axis.legend(loc="lower right", fontsize="small")
+        if panel.get("log"):
+            axis.set_xscale("log")
+            axis.set_xlim(right=max(e["max"] for e in entries) * 8)  # room for the labels
+        else:
+            axis.margins(x=0.35)
+            axis.axvline(0, color="black", linewidth=0.8)
+        axis.set_xlabel(panel["xlabel"])
+    (axes if len(panels) == 1 else axes[0]).invert_yaxis()
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def save_beside(figure: Any, results_file: Any) -> Any:
+    """Save ``figure`` as a PNG beside a page's results file (same name), where there is one
+    (``results.results_path()``); returns the path, or None."""
+    import os
+    from pathlib import Path
+
+    if results_file is None or os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 writes
+        return None
+
+    path = Path(results_file).with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path

@@ -224,3 +224,19 @@ def checkpoint_id(call: Call) -> str | None:
         if given is None and call.kwargs.get(storage) is not None:
             given = getattr(call.kwargs[storage], "path", None)
     return None if given is None else os.fspath(given)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[tuple[Callable[[Any], None], Calls]]:
+    """``(put, calls)``: what a page's own wrapper ``put``s, from any thread of any rank,
+    comes back in ``calls.by_rank`` when the block ends (as with ``watch``).
+
+    For records that a watch cannot take when a call returns: a wrapper may ``put`` later,
+    from a callback (when a checkpoint becomes durable, say). The ranks must be forked
+    inside the block, as for ``watch``.
+    """
+    spool, calls = _Spool(), Calls()
+    try:
+        yield spool.put, calls
+    finally:
+        calls.by_rank = spool.collect()

@@ -154,3 +154,32 @@ def verdict_cells(
     diff = difference(a, b)
     numbers = f"{diff['effect'] * scale:+{spec}} {unit}, noise {diff['noise'] * scale:{spec}}"
     return [word(diff, *words), numbers]
+
+
+def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
+    """Repeated measurements of an effect that cannot be negative (a stall, extra memory, a
+    slow-down above ``neutral``): their ``summary``, the ``effect`` (median minus ``neutral``)
+    and whether it is ``within_noise``: smaller than the spread, or below ``neutral`` (a
+    checkpoint does not make training faster: a negative median measures noise)."""
+    entry = summary(values)
+    entry["effect"] = entry["median"] - neutral
+    entry["within_noise"] = entry["effect"] < entry["spread"]
+    return entry
+
+
+def below_goal(values: Sequence[float], limits: Sequence[float]) -> dict:
+    """Whether measurements meet a goal "at most ``limits``" (one limit, or one per round):
+    ``met`` is True where the median is below the limit's median by more than the noise,
+    False where it is above by more, None where the difference is within noise."""
+    diff = difference(values, limits)
+    met = None if diff["within_noise"] else diff["a"]["median"] < diff["b"]["median"]
+    return {**diff, "met": met}
+
+
+def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
+    """``median unit [lowest .. highest]``, marked "within noise" where the entry says so."""
+    if not entry:
+        return "-"
+    low, high = format(entry["min"], spec), format(entry["max"], spec)
+    text = f"{format(entry['median'], spec)}{unit} [{low} .. {high}]"
+    return text + (" within noise" if entry.get("within_noise") else "")

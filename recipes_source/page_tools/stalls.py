@@ -1,0 +1,638 @@
+"""What checkpoints cost a training loop, from the loop's own timings, over interleaved rounds.
+
+A benchmark page runs the same loop once per strategy in every round (A B C ... A B C),
+after a warm-up round, and each run returns what its loop measured on every rank: the
+seconds it waited for checkpoints (``stall_s``), each step's seconds and whether a save
+was in flight (``steps``), the timed loop's ``wall_s``, the first checkpoint's seconds and
+its final ``loss``. ``collect`` joins those with what the page watched (when each
+checkpoint became durable: ``timing.checkpoint_saves``; the run's peak host memory:
+``memory.peak_between``; the checks of the checkpoints it removed:
+``disk.checked_before_removal``). Then, per run, against the run without checkpoints of
+the same round and thread budget (``metrics``):
+
+* *stall per checkpoint*: the slowest rank's total wait over the timed checkpoints;
+* *slow-down of steps that overlap a save*: their median over the round's baseline step;
+* *total overhead*: the run's wall time minus the baseline's (stalls and slower steps);
+* *extra peak host memory* per rank, over the baseline's;
+* *time until durable* (median over the checkpoints) and the *first checkpoint*'s time.
+
+``summarize`` gives every metric's median over the rounds, its spread, and for effects
+whether they are within noise (``stats.effect``); the rest renders tables from that.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from page_tools import disk, figures, observe, results, stats, timing
+
+BASELINE = "no checkpoint"
+# metric: (heading, format, unit, the value of "no effect"; None: not an effect)
+METRICS = {
+    "stall_per_checkpoint_s": ("stall per checkpoint", ".3g", " s", 0.0),
+    "overlapped_step_slowdown": ("slow-down of steps that overlap a save", ".3g", "x", 1.0),
+    "overhead_s": ("total overhead over the run without checkpoints", "+.3g", " s", 0.0),
+    "extra_memory_mb": ("extra peak host memory per rank", "+.0f", " MB", 0.0),
+    "time_until_durable_s": ("time from save call until durable", ".3g", " s", None),
+    "first_checkpoint_s": ("first checkpoint, until durable", ".3g", " s", None),
+    "wall_s": ("wall time of the timed loop", ".3g", " s", None),
+}
+
+TIMES = ["stall_per_checkpoint_s", "time_until_durable_s", "first_checkpoint_s"]  # per checkpoint
+COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]  # per run
+
+
+def label(strategy: str, threads: int, default_threads: int) -> str:
+    """A run's name: its strategy, and its thread budget where it is not the default."""
+    return strategy if threads == default_threads else f"{strategy} ({threads} threads)"
+
+
+def baseline_of(name: str) -> str:
+    """The run without checkpoints that ``name`` is compared with: same thread budget."""
+    strategy = name.split(" (")[0]
+    return name.replace(strategy, BASELINE, 1)
+
+
+# --------------------------------------------------------------------------
+# Joining the loop's numbers with what the page watched
+# --------------------------------------------------------------------------
+
+
+def collect(
+    per_rank: list[list[dict]],
+    saves: observe.Calls,
+    peaks: observe.Calls,
+    removals: observe.Calls,
+    default_threads: int,
+) -> dict:
+    """Every run of every rank, with its checkpoints' durable times and its peak memory.
+
+    Returns ``{"order": [(round, name)], "runs": {name: [[rank run] per measured round]},
+    "warmup": {name: [rank run]}, "removals": [records]}``; round 0 is the warm-up. Raises
+    ``ValueError`` where the watches and the runs do not match one to one.
+    """
+    durable = timing.by_checkpoint(saves)
+    order, runs, warmup = [], {}, {}
+    for rank, rank_runs in enumerate(per_rank):
+        rank_peaks = peaks.by_rank.get(rank, [])
+        if len(rank_peaks) != len(rank_runs):
+            raise ValueError(f"rank {rank}: {len(rank_runs)} runs, {len(rank_peaks)} memory peaks")
+        for index, (run, peak) in enumerate(zip(rank_runs, rank_peaks, strict=True)):
+            name = label(run["strategy"], run["threads"], default_threads)
+            if rank == 0:
+                order.append((run["round"], name))
+            elif order[index] != (run["round"], name):
+                raise ValueError(f"rank {rank} ran {name} where rank 0 ran {order[index]}")
+            saved = [
+                [r for r in durable.get(p, []) if r["rank"] == rank] for p in run["checkpoints"]
+            ]
+            if any(len(records) != 1 for records in saved):
+                raise ValueError(f"rank {rank}, {name}: a checkpoint saved other than once")
+            entry = {
+                **run,
+                "peak_memory_mb": peak["peak_mb"],
+                "saves": [records[0] for records in saved],
+            }
+            if run["round"] == 0:
+                warmup.setdefault(name, []).append(entry)
+            else:
+                rounds = runs.setdefault(name, [])
+                while len(rounds) < run["round"]:
+                    rounds.append([])
+                rounds[run["round"] - 1].append(entry)
+    removed = [record for _, records in sorted(removals.by_rank.items()) for record in records]
+    return {"order": order, "runs": runs, "warmup": warmup, "removals": removed}
+
+
+def interleaved(order: Sequence[Sequence[Any]], schedule: Sequence[str], rounds: int) -> bool:
+    """The runs ran as a warm-up round then ``rounds`` rounds, each the whole ``schedule``."""
+    expected = [(r, name) for r in range(rounds + 1) for name in schedule]
+    return [tuple(entry) for entry in order] == expected
+
+
+def complete_checkpoints(collected: dict) -> dict:
+    """Evidence that every checkpoint the runs wrote was complete: every save durable,
+    without an error; every checkpoint on disk with its ``.metadata`` and all its bytes when
+    its run removed it; each run's newest one read back, all values finite."""
+    runs = [run for name, ranks in collected["warmup"].items() for run in ranks]
+    runs += [run for rounds in collected["runs"].values() for ranks in rounds for run in ranks]
+    saves = [save for run in runs for save in run["saves"]]
+    on_disk = {}
+    for removal in collected["removals"]:
+        for name, check in removal["checkpoints"].items():
+            on_disk[f"{removal['directory']}/{name}"] = check
+    written = {path for run in runs for path in run["checkpoints"]}
+    incomplete = sorted(
+        path
+        for path in written
+        if path not in on_disk or not on_disk[path]["metadata"] or on_disk[path]["missing"]
+    )
+    loaded = [r["loaded"] for r in collected["removals"] if r["checkpoints"]]
+    return {
+        "checkpoints": len(written),
+        "saves": len(saves),
+        "not_durable": sum(1 for s in saves if s["durable"] is None or s["error"]),
+        "checked_on_disk": len(set(on_disk) & written),
+        "incomplete": incomplete[:20],
+        "read_back": len(loaded),
+        "read_back_tensors": sorted({r["tensors"] for r in loaded if r}),
+        "all_finite": all(r and r["finite"] for r in loaded),
+        "held": bool(written)
+        and not incomplete
+        and all(s["durable"] is not None and not s["error"] for s in saves)
+        and len(loaded) == len(collected["removals"])
+        and all(r and r["tensors"] > 0 and r["finite"] for r in loaded),
+    }
+
+
+def same_losses(collected: dict) -> dict:
+    """Per rank and thread budget, the final loss of every run, and whether all are equal."""
+    losses: dict[str, set] = {}
+    groups = [*collected["warmup"].items()] + [
+        (name, run) for name, rounds in collected["runs"].items() for run in rounds
+    ]
+    for _, ranks in groups:
+        for rank, run in enumerate(ranks):
+            losses.setdefault(f"rank {rank}, {run['threads']} threads", set()).add(run["loss"])
+    return {
+        "losses": {key: sorted(values) for key, values in losses.items()},
+        "held": bool(losses) and all(len(values) == 1 for values in losses.values()),
+    }
+
+
+def timers_enclose_blocking_saves(collected: dict) -> dict:
+    """For ``dcp.save`` (which blocks until durable), on every rank of every run: the loop's
+    own timers saw at least the time its saves took, as the page's watch saw them (the first
+    checkpoint's time, and the stall over the timed ones)."""
+    runs = list(collected["warmup"].get("dcp.save", []))
+    runs += [run for ranks in collected["runs"].get("dcp.save", []) for run in ranks]
+    rows = [
+        {
+            "first_checkpoint_s": run["first_checkpoint_s"],
+            "first_save_s": run["saves"][0]["durable"] - run["saves"][0]["called"],
+            "stall_s": run["stall_s"],
+            "timed_saves_s": sum(s["durable"] - s["called"] for s in run["saves"][1:]),
+        }
+        for run in runs
+    ]
+    held = bool(rows) and all(
+        r["first_checkpoint_s"] >= r["first_save_s"] and r["stall_s"] >= r["timed_saves_s"]
+        for r in rows
+    )
+    return {"runs": rows, "held": held}
+
+
+def claim_interleaved(
+    name: str, collected: dict, schedule: Sequence[Sequence[Any]], rounds: int, threads: int
+) -> None:
+    """Decide that the runs took turns: a warm-up round, then every round the whole schedule."""
+    names = [label(strategy, budget, threads) for strategy, budget in schedule]
+    order = collected["order"]
+    results.claim(
+        name,
+        interleaved(order, names, rounds),
+        f"{len(order)} runs per rank: a warm-up round, then {rounds} rounds of the same "
+        f"{len(names)} runs in order",
+        order=[list(entry) for entry in order],
+        schedule=names,
+    )
+
+
+def claim_complete(name: str, collected: dict) -> None:
+    """Decide that every checkpoint the runs wrote was durable, complete, and read back."""
+    evidence = complete_checkpoints(collected)
+    held = evidence.pop("held")
+    results.claim(
+        name,
+        held,
+        f"{evidence['checkpoints']} checkpoints: all durable, complete on disk, and the newest "
+        "of each run reads back",
+        **evidence,
+    )
+
+
+def claim_same_losses(name: str, collected: dict) -> None:
+    """Decide that no strategy changed what the loop computes: the same final loss."""
+    evidence = same_losses(collected)
+    held = evidence.pop("held")
+    results.claim(
+        name,
+        held,
+        "every run ends with the loss of the run without checkpoints, bit for bit",
+        **evidence,
+    )
+
+
+def claim_timers_enclose_blocking_saves(name: str, collected: dict) -> None:
+    """Decide that the loop's timers saw every blocking ``dcp.save`` whole."""
+    evidence = timers_enclose_blocking_saves(collected)
+    held = evidence.pop("held")
+    results.claim(
+        name,
+        held,
+        f"the loop's timers saw all of every blocking dcp.save ({len(evidence['runs'])} runs "
+        "on all ranks)",
+        **evidence,
+    )
+
+
+def adam_checkpoint_bytes(make_model: Any) -> int:
+    """Bytes of a checkpoint of ``make_model()`` trained with Adam: each parameter and its
+    two moments (built on the meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = make_model()
+    return sum(3 * p.numel() * p.element_size() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------
+# Metrics, summaries, ratios
+# --------------------------------------------------------------------------
+
+
+def _median_or_none(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def metrics(run: list[dict], baseline: list[dict]) -> dict[str, float | None]:
+    """One run's metrics from every rank's numbers; ``baseline``: its round's run without
+    checkpoints, same thread budget."""
+    timed = len(run[0]["checkpoints"][1:])
+    base_step = statistics.median(t for r in baseline for t, _ in r["steps"])
+    overlapped = [t for r in run for t, over in r["steps"] if over]
+    durable = [
+        max(r["saves"][i]["durable"] - r["saves"][i]["called"] for r in run)
+        for i in range(1, timed + 1)
+    ]
+    wall = max(r["wall_s"] for r in run)
+    return {
+        "stall_per_checkpoint_s": max(r["stall_s"] for r in run) / timed if timed else None,
+        "overlapped_step_slowdown": statistics.median(overlapped) / base_step
+        if overlapped
+        else None,
+        "overhead_s": wall - max(r["wall_s"] for r in baseline),
+        "extra_memory_mb": max(r["peak_memory_mb"] for r in run)
+        - max(r["peak_memory_mb"] for r in baseline),
+        "time_until_durable_s": _median_or_none(durable),
+        "first_checkpoint_s": max(r["first_checkpoint_s"] for r in run) if timed else None,
+        "wall_s": wall,
+    }
+
+
+def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict[str, dict | None]]:
+    """Per run name and metric: the median over the rounds with its spread and each round's
+    value, and for an effect (``METRICS``) whether it is within noise. None where a metric
+    does not apply (no overlapped step, no checkpoint)."""
+    summary = {}
+    for name, rounds in runs.items():
+        baseline = runs[baseline_of(name)]
+        per_round = [metrics(run, baseline[i]) for i, run in enumerate(rounds)]
+        summary[name] = {}
+        for metric, (_, _, _, neutral) in METRICS.items():
+            values = [m[metric] for m in per_round]
+            if any(v is None for v in values):
+                summary[name][metric] = None
+            elif neutral is None or name == baseline_of(name):
+                summary[name][metric] = stats.summary(values)
+            else:
+                summary[name][metric] = stats.effect(values, neutral)
+    return summary
+
+
+def _median(summary: dict, name: str, metric: str) -> float:
+    return summary[name][metric]["median"]
+
+
+def ratios(summary: dict, strategies: Sequence[str], copy_seconds: float) -> dict:
+    """Per strategy: its stall per checkpoint over one copy of a rank's share, and its stall
+    and total overhead over ``dcp.save``'s (ratios of the medians)."""
+    return {
+        name: {
+            "stall_vs_copy_time": _median(summary, name, "stall_per_checkpoint_s") / copy_seconds,
+            "stall_vs_dcp_save": _median(summary, name, "stall_per_checkpoint_s")
+            / _median(summary, "dcp.save", "stall_per_checkpoint_s"),
+            "overhead_vs_dcp_save": _median(summary, name, "overhead_s")
+            / _median(summary, "dcp.save", "overhead_s"),
+            # a ratio of two overheads says little where either is noise
+            "overhead_within_noise": summary[name]["overhead_s"]["within_noise"]
+            or summary["dcp.save"]["overhead_s"]["within_noise"],
+        }
+        for name in strategies
+    }
+
+
+def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict:
+    """Whether ``name`` meets each goal "at most g times dcp.save's": its values, round by
+    round, against g times dcp.save's (``stats.below_goal``), with the sentence that says
+    so. Where dcp.save's own effect is within noise, a multiple of it says nothing: the
+    goal is neither met nor missed (None)."""
+    found = {}
+    for metric, goal in goals_vs_dcp_save.items():
+        heading, spec, unit, _ = METRICS[metric]
+        values = summary[name][metric]["values"]
+        reference = summary["dcp.save"][metric]
+        limits = [goal * v for v in reference["values"]]
+        outcome = stats.below_goal(values, limits)
+        said, _ = stats.verdict(name, values, f"{goal}x dcp.save's", limits, unit.strip())
+        met = outcome["met"]
+        if reference.get("within_noise"):
+            met = None
+            said = f"dcp.save's own is within noise: {stats.shown_entry(reference, spec, unit)}"
+        found[metric] = {
+            "heading": heading,
+            "goal": goal,
+            "ratio": outcome["a"]["median"] / reference["median"],
+            "met": met,
+            "said": said,
+        }
+    return found
+
+
+CRITERIA = {
+    "stall_per_checkpoint_s": "the pause per checkpoint matters most",
+    "overhead_s": "the total training time matters most",
+    "extra_memory_mb": "host memory is tight",
+}
+
+
+def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = CRITERIA) -> dict:
+    """Per criterion (metric: when it matters), the strategy with the lowest median and the
+    runner-up, and whether its lead is more than noise (``stats.verdict``)."""
+    found = {}
+    for metric, when in criteria.items():
+        heading, _, unit, _ = METRICS[metric]
+        best, second = sorted(strategies, key=lambda n: _median(summary, n, metric))[:2]
+        said, diff = stats.verdict(
+            best,
+            summary[best][metric]["values"],
+            second,
+            summary[second][metric]["values"],
+            unit.strip(),
+        )
+        found[metric] = {
+            "when": when,
+            "best": best,
+            "second": second,
+            "choose": None if diff["within_noise"] else best,
+            "said": said,
+        }
+    return found
+
+
+def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: int) -> dict:
+    """``strategy``'s total overhead and stall with the default thread budget and with every
+    core for training, and whether the overheads differ by more than noise."""
+    if every_core <= default_threads or label(strategy, every_core, default_threads) not in summary:
+        spare = every_core > default_threads
+        why = (
+            "forked ranks train with one thread (make bench runs it)"
+            if spare
+            else ("no core to spare")
+        )
+        return {"ran": False, "why": why}
+    budgets = {default_threads: strategy, every_core: label(strategy, every_core, default_threads)}
+    said, _ = stats.verdict(
+        f"{default_threads} training thread(s)",
+        summary[strategy]["overhead_s"]["values"],
+        f"{every_core}",
+        summary[budgets[every_core]]["overhead_s"]["values"],
+        "s",
+    )
+    return {
+        "ran": True,
+        "threads": {"recommended": default_threads, "every_core": every_core},
+        "labels": {str(threads): name for threads, name in budgets.items()},
+        "said": said,
+    }
+
+
+# --------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------
+
+
+def summary_table(
+    summary: dict, names: Sequence[str], metrics_shown: Sequence[str]
+) -> figures.Table:
+    """One row per run, one column per metric: median [lowest .. highest], and "within noise"."""
+    columns = ["run"] + [METRICS[m][0] for m in metrics_shown]
+    rows = [
+        [name]
+        + [stats.shown_entry(summary[name][m], METRICS[m][1], METRICS[m][2]) for m in metrics_shown]
+        for name in names
+    ]
+    rounds = next(e["n"] for e in summary[names[0]].values() if e)
+    return figures.Table(columns, rows, caption=f"medians over {rounds} rounds [lowest .. highest]")
+
+
+def ratios_table(found: dict, copy_seconds: float) -> figures.Table:
+    rows = [
+        [
+            name,
+            round(r["stall_vs_copy_time"], 1),
+            round(r["stall_vs_dcp_save"], 3),
+            f"{r['overhead_vs_dcp_save']:.2f} (noise)"
+            if r["overhead_within_noise"]
+            else round(r["overhead_vs_dcp_save"], 2),
+        ]
+        for name, r in found.items()
+    ]
+    return figures.Table(
+        ["strategy", "stall / one copy", "stall / dcp.save's", "overhead / dcp.save's"],
+        rows,
+        caption=f"ratios of the medians (noise: an overhead within noise); one copy of a "
+        f"rank's share into a reused buffer: {copy_seconds * 1e3:.3g} ms",
+    )
+
+
+def goals_table(found: dict) -> figures.Table:
+    verdict = {True: "met", False: "not met", None: "cannot tell: within noise"}
+    rows = [
+        [
+            f"{g['heading']} <= {g['goal']}x dcp.save's",
+            round(g["ratio"], 3),
+            verdict[g["met"]],
+            g["said"],
+        ]
+        for g in found.values()
+    ]
+    return figures.Table(["goal", "measured ratio", "verdict", "from the rounds"], rows)
+
+
+def advice_table(found: dict) -> figures.Table:
+    rows = [
+        [f"when {a['when']}", a["choose"] or "no advice: within noise", a["said"]]
+        for a in found.values()
+    ]
+    return figures.Table(["criterion", "choose", "from the rounds"], rows)
+
+
+def thread_budget_table(
+    summary: dict, knob: dict, strategy: str, ranks: int, threads: int
+) -> figures.Table:
+    cores = os.cpu_count() or 1
+    rows = [
+        ["cores", cores],
+        ["ranks", ranks],
+        ["training threads per rank", threads],
+        ["cores left to the writers", max(0, cores - ranks * threads)],
+    ]
+    if not knob["ran"]:
+        rows.append(["the knob (every core for training)", f"not run here: {knob['why']}"])
+    for budget, name in (knob.get("labels") or {}).items():
+        rows.append(
+            [
+                f"{strategy}, {budget} threads: total overhead",
+                stats.shown_entry(summary[name]["overhead_s"], "+.3g", " s"),
+            ]
+        )
+        rows.append(
+            [
+                f"{strategy}, {budget} threads: stall per checkpoint",
+                stats.shown_entry(summary[name]["stall_per_checkpoint_s"], ".3g", " s"),
+            ]
+        )
+    if knob["ran"]:
+        rows.append(["overhead, recommended budget vs every core", knob["said"]])
+    return figures.Table(["", "this run"], rows)
+
+
+def limits(per_rank: list[dict], total_bytes: int) -> dict:
+    """The machine's limits from every rank's ``disk.copy_and_write_speeds``: the slowest
+    rank's speeds (GB/s), the share of a rank, and the seconds of one copy of it into a
+    reused buffer (what a stall is measured against)."""
+    slowest = disk.slowest(per_rank)
+    share = per_rank[0]["bytes"]
+    return {
+        "GBps": slowest,
+        "GBps_per_rank": per_rank,
+        "checkpoint_bytes": total_bytes,
+        "bytes_per_rank": share,
+        "copy_s": share / (slowest["copy_reused"] * 1e9),
+    }
+
+
+def share(found: dict) -> str:
+    """What the limits were measured for: the checkpoint, and each rank's share of it."""
+    ranks = len(found["GBps_per_rank"])
+    return (
+        f"checkpoint: {found['checkpoint_bytes'] / 1e6:,.0f} MB in all, "
+        f"{found['bytes_per_rank'] / 1e6:,.0f} MB per rank on {ranks} rank(s)"
+    )
+
+
+def limits_table(found: dict) -> figures.Table:
+    names = {
+        "copy_reused": "copy into a reused buffer",
+        "copy_fresh": "copy into new pages",
+        "write_fsync": "write + fsync",
+    }
+    share = found["bytes_per_rank"]
+    rows = [
+        [names[key], round(speed, 2), round(share / (speed * 1e9), 4)]
+        for key, speed in found["GBps"].items()
+    ]
+    return figures.Table(
+        ["limit", "GB/s per rank", "s per checkpoint"],
+        rows,
+        caption="the slowest rank's speeds, for its share",
+    )
+
+
+def config(
+    checkpoint_gb: float,
+    schedule: Sequence[Sequence[Any]],
+    rounds: int,
+    steps: int,
+    every: int,
+    per_rank: list,
+) -> dict:
+    """The benchmark's settings as the results file keeps them, with where it ran."""
+    from rank_launcher import under_torchrun
+
+    return {
+        "checkpoint_gb": checkpoint_gb,
+        "schedule": [list(entry) for entry in schedule],
+        "rounds": rounds,
+        "steps": steps,
+        "every": every,
+        "timed_checkpoints": steps // every - 1,
+        "training_threads": schedule[0][1],
+        "world_size": len(per_rank),
+        "launcher": "torchrun" if under_torchrun() else "fork",
+        "accelerator": torch.accelerator.is_available(),
+    }
+
+
+def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: float) -> dict:
+    """The page's headline numbers: ``strategy``'s stall and total overhead over dcp.save's,
+    the goals, and ``numbers`` (the thread budget, the size)."""
+    return {
+        "stall_vs_dcp_save": found_ratios[strategy]["stall_vs_dcp_save"],
+        "overhead_vs_dcp_save": found_ratios[strategy]["overhead_vs_dcp_save"],
+        "stall_goal": found_goals["stall_per_checkpoint_s"]["goal"],
+        "overhead_goal": found_goals["overhead_s"]["goal"],
+        **numbers,
+    }
+
+
+def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
+    """Left: the stall per checkpoint (log scale), with one copy of a rank's share for
+    reference. Right: the total overhead over the run without checkpoints. Medians, with
+    the lowest and highest round as whiskers. The title names the machine, the size and
+    ``what`` ran."""
+    copy_seconds = found_limits["copy_s"]
+    title = (
+        f"torch {torch.__version__}, {os.cpu_count()} cores: checkpoint "
+        f"{found_limits['checkpoint_bytes'] / 1e9:.2f} GB, "
+        f"{len(found_limits['GBps_per_rank'])} rank(s), {what}"
+    )
+    stalls_ = [summary[n]["stall_per_checkpoint_s"] for n in names]
+    totals = [summary[n]["overhead_s"] for n in names]
+    return figures.medians_with_whiskers(
+        names,
+        [
+            {
+                "entries": stalls_,
+                "labels": [f"{e['median']:.3g} s" for e in stalls_],
+                "xlabel": "stall per checkpoint (s, log scale)",
+                "log": True,
+                "reference": (copy_seconds, "one memcpy of a rank's share"),
+                "color": "tab:blue",
+            },
+            {
+                "entries": totals,
+                "labels": [
+                    f"{e['median']:+.2f} s" + (" (noise)" if e["within_noise"] else "")
+                    for e in totals
+                ],
+                "xlabel": "total overhead over no checkpoint (s)",
+                "color": "tab:orange",
+            },
+        ],
+        title,
+    )
+
+
+def print_summary_line(bench: bool, recipe: str, headline: dict, found_goals: dict) -> None:
+    """Under ``make bench`` (``bench``), print its one line of headline numbers; a site build
+    records them as the value ``headline`` instead, and prints nothing here."""
+    if bench:
+        print(summary_line(recipe, headline, found_goals))
+
+
+def summary_line(recipe: str, headline: dict, found_goals: dict) -> str:
+    """The one line ``make bench`` prints, from the recorded numbers."""
+    verdict = {True: "met", False: "not met", None: "within noise"}
+    stall, overhead = found_goals["stall_per_checkpoint_s"], found_goals["overhead_s"]
+    return (
+        f"{recipe}: DefaultStager stall {headline['stall_vs_dcp_save']:.3f}x dcp.save's "
+        f"(goal <= {stall['goal']}x: {verdict[stall['met']]}), total overhead "
+        f"{headline['overhead_vs_dcp_save']:.2f}x (goal <= {overhead['goal']}x: "
+        f"{verdict[overhead['met']]})"
+    )
