@@ -87,7 +87,8 @@ checkpoint holds the state of its step, bit for bit.
 # the stager's buffer reuse at work.
 # :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py` breaks rules 3, 5, 6
 # and 7 on purpose, shows what each break writes into the checkpoint, and
-# proves each fix.
+# proves each fix; :ref:`sphx_glr_recipes_stager_stream_recipe.py` does the
+# same for rule 4, on a GPU.
 
 
 # %%
