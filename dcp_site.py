@@ -44,6 +44,7 @@ RECIPE_ORDER = (
     "save_load_recipe.py",
     "hf_interop_recipe.py",
     "async_save_recipe.py",
+    "torn_checkpoints_recipe.py",
     "default_stager_recipe.py",
     "resume_recipe.py",
     "staging_pitfalls_recipe.py",

@@ -17,9 +17,10 @@ The watches below take the snapshots where DCP sees the state: ``state_given_to(
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -228,3 +229,88 @@ def reads_file(suffix: str) -> Callable[[observe.Call], bool]:
     """For ``where=``: a call whose first argument is a path ending in ``suffix`` (``torch.load``
     of a file, not of the bytes DCP reads with it)."""
     return lambda call: str(call.argument(0, "f")).endswith(suffix)
+
+
+# async_save and torn checkpoints: the state at a given save, and the state at the end.
+
+
+def saves_into(suffix: str) -> Callable[[observe.Call], bool]:
+    """For ``where=``: a save whose ``checkpoint_id`` ends in ``suffix`` (``"step-9"``)."""
+    return lambda call: str(call.kwargs.get("checkpoint_id", "")).endswith(suffix)
+
+
+def nth_call(calls: observe.Calls, index: int) -> list[Any]:
+    """Every rank's record of its ``index``-th watched call, in rank order: the snapshots of
+    one of several loads a rank function made, for ``same_state``."""
+    return [records[index] for _, records in sorted(calls.by_rank.items())]
+
+
+@contextlib.contextmanager
+def state_again_at(
+    owner: Any,
+    name: str,
+    given_to: tuple[Any, str],
+    where: Callable[[observe.Call], bool] | None = None,
+    position: int = 0,
+    keyword: str = "state_dict",
+) -> Iterator[observe.Calls]:
+    """Watch ``owner.name`` (``dist.destroy_process_group``): at each call, every rank's
+    snapshot of the state it last gave ``given_to`` (``(dcp, "async_save")``), as that state
+    is *then*: the live model and optimizer after the training that followed the save."""
+    last: dict[str, Any] = {}  # this rank's, in this process
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        last["state"] = observe.Call(args, kwargs).argument(position, keyword)
+        return original(*args, **kwargs)
+
+    def wanted(call: observe.Call) -> bool:
+        return "state" in last and (where is None or where(call))
+
+    with (
+        observe.replaced(*given_to, keep) as original,
+        observe.watch(
+            owner, name, lambda call: snapshot(last["state"]), before=True, where=wanted
+        ) as calls,
+    ):
+        yield calls
+
+
+@dataclasses.dataclass
+class SaveAndAfter:
+    """What ``state_at_save_and_end`` watched: the state at the save, and after it."""
+
+    at_save: observe.Calls
+    after: observe.Calls
+
+
+@contextlib.contextmanager
+def state_at_save_and_end(
+    where: Callable[[observe.Call], bool],
+    save: tuple[Any, str] | None = None,
+    end: tuple[Any, str] | None = None,
+) -> Iterator[SaveAndAfter]:
+    """Every rank's snapshot of the state given to ``save`` (default ``dcp.async_save``) at
+    the calls ``where`` accepts, and of the same live state again at each call of ``end``
+    that names what it ends (default ``dist.destroy_process_group(group)``, the checkpoint
+    group's, not the launcher's: training is over)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    save = save or (dcp, "async_save")
+    with (
+        state_given_to(*save, where=where) as at_save,
+        state_again_at(
+            *(end or (dist, "destroy_process_group")),
+            given_to=save,
+            where=lambda call: bool(call.args or call.kwargs),
+        ) as later,
+    ):
+        yield SaveAndAfter(at_save, later)
+
+
+def state_at_the_save(prefix: str, watched: SaveAndAfter, loaded: Any, what: str) -> None:
+    """Decide two claims about a checkpoint loaded back: it is the state at the save call,
+    bit for bit (``<prefix>-is-the-state-at-the-save``), and not the state that training
+    reached after it (``<prefix>-is-not-the-state-after``)."""
+    same_state(f"{prefix}-is-the-state-at-the-save", watched.at_save, loaded, f"{what} vs the save")
+    differing_state(f"{prefix}-is-not-the-state-after", watched.after, loaded, f"{what} vs the end")
