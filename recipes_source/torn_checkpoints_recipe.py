@@ -34,6 +34,7 @@ moment, shows what ``dcp.load`` and a resume make of the result, and where the
 # Setup
 # -----
 
+import datetime
 import logging
 import os
 import re
@@ -206,17 +207,22 @@ results.claim(
 # -----------------------------------------
 # The mistake below is the one a loop makes when it ends without waiting for
 # its last save: it destroys the checkpoint group while the upload still
-# needs it. The upload's future raises (the group is gone), and the directory
-# has no ``.metadata``. How much data it has depends on how far the upload
-# got: the page holds each upload once its data is written, until the rank's
-# next move, so that here the group goes away at that moment, every time.
+# needs it. The upload's future raises, and the directory has no
+# ``.metadata``. What else happens is a race: the upload raises at once that
+# the group is gone, or, if a peer's upload already waits in a collective on
+# it, that collective waits for a peer that never comes, until the group's
+# timeout (give a checkpoint group a short one: a hang becomes an error); and
+# the data may or may not be written. The page holds each upload once its
+# data is written, until the rank's next move, so that here the group goes
+# away at that moment, every time.
 
 
 def destroy_the_group_during_the_upload(root):
     model, optimizer = build_sharded_model(seed=0)
     torch.manual_seed(100 + dist.get_rank())  # each rank trains on its own data
     state_dict = {"app": AppState(model, optimizer)}
-    checkpoint_group = dist.new_group(backend="gloo")
+    # A collective whose peer has left fails after 20 s instead of hanging.
+    checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
     train_step(model, optimizer)
     step_1 = os.path.join(root, "step-1")
     dcp.async_save(state_dict, checkpoint_id=step_1, process_group=checkpoint_group).result()
@@ -225,7 +231,7 @@ def destroy_the_group_during_the_upload(root):
     upload = dcp.async_save(state_dict, checkpoint_id=step_2, process_group=checkpoint_group)
     dist.destroy_process_group(checkpoint_group)  # THE MISTAKE: step-2's upload still runs
     try:
-        upload.result(timeout=60)
+        upload.result()
         error = "nothing"
     except Exception as err:
         error = re.sub(r" at 0x[0-9a-f]+", "", f"{type(err).__name__}: {err}")  # per rank
@@ -298,6 +304,9 @@ def load_the_torn_checkpoint(root):
 # %%
 
 outcomes = run_on_ranks(load_the_torn_checkpoint, os.path.join(WORK_DIR, "torn"))
+
+# %%
+
 results.claim(
     "torn-load-raises-checkpoint-exception",
     not issubclass(CheckpointException, Exception)
@@ -328,7 +337,7 @@ def save_twice_into_one_directory(root):
     model, optimizer = build_sharded_model(seed=0)
     torch.manual_seed(100 + dist.get_rank())
     state_dict = {"app": AppState(model, optimizer)}
-    checkpoint_group = dist.new_group(backend="gloo")
+    checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
     reused = os.path.join(root, "reused")
     dcp.async_save(state_dict, checkpoint_id=reused, process_group=checkpoint_group).result()
     train_step(model, optimizer)
@@ -338,7 +347,7 @@ def save_twice_into_one_directory(root):
         while_writing = is_complete(reused)
         dist.destroy_process_group(checkpoint_group)  # the same mistake as above
         try:
-            upload.result(timeout=60)
+            upload.result()
             torn = False
         except Exception:
             torn = True
@@ -389,6 +398,9 @@ def save_without_collectives(root):
 # %%
 
 written = run_on_ranks(save_without_collectives, os.path.join(WORK_DIR, "torn"))
+
+# %%
+
 results.claim(
     "no-collectives-writes-metadata-per-rank",
     written[0] == [f"__{rank}.metadata" for rank in range(len(written))],
@@ -470,7 +482,7 @@ def main(checkpoint_root, steps=3):
 
 
 JOB_DIR = os.path.join(WORK_DIR, "job")
-shutil.copytree(os.path.join(WORK_DIR, "torn", "step-1"), os.path.join(JOB_DIR, "step-1"))
+run_on_one_process(shutil.copytree, f"{WORK_DIR}/torn/step-1", f"{JOB_DIR}/step-1")
 run_as_torchrun(main, JOB_DIR)
 
 # %%
