@@ -259,13 +259,13 @@ figures.medians(["phase, and what blocks the loop", "ms (median of 3, slowest ra
 #   behind the first: both uploads run, their collectives can match each
 #   other's and hang, and each holds its own staged copy.
 # * **Wait for the last save before the group is destroyed**: its upload ends
-#   with collectives on it, before rank 0 writes ``.metadata``.
+#   with collectives on it, before rank 0 writes ``.metadata``; without them
+#   the checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`).
 #
 # It also saves after the first step and waits for it: a storage problem shows
-# up at once, and one-time costs are paid early. With synchronous staging
-# ``async_save`` returns the upload's ``Future`` (the
-# :ref:`next recipe <sphx_glr_recipes_default_stager_recipe.py>` stages
-# asynchronously and gets an ``AsyncSaveResponse``).
+# up at once, and one-time costs are paid early. ``async_save`` returns the
+# upload's ``Future`` (with asynchronous staging, an ``AsyncSaveResponse``:
+# the :ref:`next recipe <sphx_glr_recipes_default_stager_recipe.py>`).
 
 NUM_STEPS, SAVE_EVERY = 11, 3
 LAST_SAVE = NUM_STEPS // SAVE_EVERY * SAVE_EVERY  # the steps after it keep training
@@ -313,19 +313,20 @@ with (
 # %%
 # Reuse one stager for every save
 # -------------------------------
-# New host memory for every save must be allocated and faulted in; on a GPU,
-# copies into it (pageable memory) are also slower than into page-locked
-# memory. A ``DefaultStager`` created once and passed as ``async_stager`` to
-# every save keeps the buffers of its first save and copies into them at every
-# later one, holding them for the whole run; close it after the last save to
-# free (and unpin) them. It finds a buffer by the storage of the tensor it
-# copies, so ``state_dict()`` must return the live tensors, not clones.
+# New host memory for every save must be allocated and faulted in (and on a
+# GPU, pageable memory may copy slower than page-locked: measured below). A
+# ``DefaultStager`` passed as ``async_stager`` to every save keeps the buffers
+# of its first save and copies into them at every later one, holding them for
+# the whole run; close it after the last save to free (and unpin) them. It
+# finds a buffer by the storage of the tensor it copies, so ``state_dict()``
+# must return the live tensors, not clones; and waiting for the previous save
+# keeps the next copy from overwriting a buffer that upload still writes out.
 #
 # Prefer it to ``FileSystemWriter(path, cache_staged_state_dict=True)``:
 # ``async_save`` stages through a writer only for backward compatibility; that
 # writer's ``close()`` does nothing, so its buffers live as long as it; and its
 # ``.pin_memory()`` rounds every buffer up to a power of two, where
-# ``DefaultStager`` pins each storage's own bytes (measured below).
+# ``DefaultStager`` pins each storage's own bytes (measured below, on a GPU).
 
 
 def train_with_one_stager(checkpoint_root):
@@ -349,7 +350,7 @@ results.claim(
     all(len({tuple(storages) for storages in s}) == 1 for s in buffers.by_rank.values()),
     f"each of {buffers.count()} saves copied into the storages of its rank's first",
 )
-stats.say("the stall with one stager", one_stager.stalls(), "without", plain.stalls(), "ms", 1e3)
+stats.say("a reused stager's stall", one_stager.stalls(), "async_save's", plain.stalls(), "ms", 1e3)
 
 
 # %%
@@ -419,7 +420,7 @@ def train_in_checkpoint_process(checkpoint_root):
 
 with (
     timing.async_save_loop(
-        train_step, where=lambda call: "step-" in str(call.kwargs)
+        train_step, where=proofs.saves_into("step-", anywhere=True)
     ) as in_process,
     proofs.state_at_save_and_end(proofs.saves_into(f"step-{LAST_SAVE}")) as in_state,
     processes.stderr_of_started_processes(os.path.join(WORK_DIR, "logs")) as log_dir,
@@ -455,7 +456,7 @@ processes.helpers_table(helpers, processes.logs(log_dir), hide=os.path.join(WORK
 runs = timing.summaries(
     {"async_save": plain, "one reused DefaultStager": one_stager, "checkpoint process": in_process}
 )
-stats.say("the stall with a process", in_process.stalls(), "a thread", plain.stalls(), "ms", 1e3)
+stats.say("a process's stall", in_process.stalls(), "a thread's", plain.stalls(), "ms", 1e3)
 results.claim(
     "uploads-overlap-training",
     all(run["steps_in_flight"] > 0 for run in results.record("strategies", runs).values()),
@@ -485,8 +486,7 @@ timing.saves_table({"async_save": plain, "one stager": one_stager, "process": in
 # directory without it did not finish (in flight, or torn). Resume from the
 # newest one that has it; ``load_checkpoint`` refuses the others. This holds
 # only if you never reuse a directory and save with collectives (the default):
-# :ref:`sphx_glr_recipes_torn_checkpoints_recipe.py` shows why, and what a
-# torn checkpoint looks like.
+# :ref:`sphx_glr_recipes_torn_checkpoints_recipe.py` shows why.
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -556,11 +556,10 @@ for index, watched in enumerate([plain_state, one_state, in_state]):
 # %%
 # The same, as a training script for ``torchrun``
 # -----------------------------------------------
-# In your own job ``torchrun`` starts the ranks, and ``main()`` does what
-# ``run_on_ranks`` did: set the device, create the group, train, resume,
-# destroy the group. The checkpoint root is a path every rank sees
-# (``shared_tempdir`` here; across machines, a shared file system). Save it
-# as ``train.py`` with the functions above, and run
+# ``torchrun`` starts the ranks, and ``main()`` does what ``run_on_ranks`` did:
+# set the device, create the group, train, resume, destroy the group. The root
+# is a path every rank sees (``shared_tempdir`` here; across machines, a shared
+# file system). Save it as ``train.py`` with the functions above, and run
 #
 # .. code-block:: bash
 #

@@ -551,6 +551,8 @@ def test_the_state_at_a_save_and_the_same_state_at_the_end():
         proofs.state_at_the_save("run", watched, {"w": torch.ones(3)}, "run/step-2")
     assert owner.save is save and owner.end is end
     assert proofs.nth_call(observe.Calls({1: ["b0", "b1"], 0: ["a0", "a1"]}), 1) == ["a1", "b1"]
+    into = observe.Call((), {"checkpoint_id": "run/step-1/unshared"})
+    assert proofs.saves_into("step-", anywhere=True)(into) and not proofs.saves_into("step-1")(into)
 
 
 def test_added_claim_less_and_say(capsys):

@@ -234,9 +234,15 @@ def reads_file(suffix: str) -> Callable[[observe.Call], bool]:
 # async_save and torn checkpoints: the state at a given save, and the state at the end.
 
 
-def saves_into(suffix: str) -> Callable[[observe.Call], bool]:
-    """For ``where=``: a save whose ``checkpoint_id`` ends in ``suffix`` (``"step-9"``)."""
-    return lambda call: str(call.kwargs.get("checkpoint_id", "")).endswith(suffix)
+def saves_into(suffix: str, anywhere: bool = False) -> Callable[[observe.Call], bool]:
+    """For ``where=``: a save whose ``checkpoint_id`` ends in ``suffix`` (``"step-9"``), or
+    contains it (``anywhere=True``)."""
+
+    def wanted(call: observe.Call) -> bool:
+        checkpoint_id = str(call.kwargs.get("checkpoint_id", ""))
+        return suffix in checkpoint_id if anywhere else checkpoint_id.endswith(suffix)
+
+    return wanted
 
 
 def nth_call(calls: observe.Calls, index: int) -> list[Any]:
