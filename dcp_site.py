@@ -45,6 +45,7 @@ RECIPE_ORDER = (
     "hf_interop_recipe.py",
     "hf_import_recipe.py",
     "async_save_recipe.py",
+    "torn_checkpoints_recipe.py",
     "default_stager_recipe.py",
     "stager_copies_recipe.py",
     "resume_recipe.py",

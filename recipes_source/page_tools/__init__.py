@@ -16,6 +16,8 @@ it proves:
 * ``stats``: medians, spreads, and whether a difference is more than noise;
 * ``timing``, ``memory``, ``disk``: clocks and timelines, host memory, disk limits;
 * ``faults``: writers and stagers that pause or fail on cue, as context managers;
+* ``processes``: the helper processes torch starts for a rank (a checkpoint process), and
+  their logs;
 * ``figures``: tables rendered as HTML, and plots;
 * ``machine``: what the page ran on.
 

@@ -253,3 +253,30 @@ def save_beside(figure: Any, results_file: Any) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return path
+
+
+def wrapped(text: str, width: int = 88) -> str:
+    """A sentence the page prints, in lines that fit a page's output block (90 columns, with
+    room for a ``[rankN]`` label where a rank prints it)."""
+    import textwrap
+
+    return "\n".join(
+        textwrap.fill(line, width, subsequent_indent="  ") for line in text.split("\n")
+    )
+
+
+def medians(
+    columns: Sequence[str],
+    rows: dict[str, Sequence[float]],
+    scale: float = 1.0,
+    caption: str = "",
+    digits: int = 1,
+) -> Table:
+    """A table of the median of each row's measurements, times ``scale`` (to ms, MB)."""
+    import statistics
+
+    return Table(
+        columns,
+        [[name, round(statistics.median(values) * scale, digits)] for name, values in rows.items()],
+        caption,
+    )

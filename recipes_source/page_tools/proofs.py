@@ -812,3 +812,94 @@ def loads_match_saves(claim: str, checked: CheckedCheckpoints, what: str) -> dic
     }
     results.claim(claim, bool(loads) and not unpaired and not differ, said, **evidence)
     return evidence
+
+
+# async_save and torn checkpoints: the state at a given save, and the state at the end.
+
+
+def saving_into(suffix: str, anywhere: bool = False) -> Callable[[observe.Call], bool]:
+    """For ``where=``: a save whose ``checkpoint_id`` ends in ``suffix`` (``"step-9"``), or
+    contains it (``anywhere=True``)."""
+
+    def wanted(call: observe.Call) -> bool:
+        checkpoint_id = str(call.kwargs.get("checkpoint_id", ""))
+        return suffix in checkpoint_id if anywhere else checkpoint_id.endswith(suffix)
+
+    return wanted
+
+
+def nth_call(calls: observe.Calls, index: int) -> list[Any]:
+    """Every rank's record of its ``index``-th watched call, in rank order: the snapshots of
+    one of several loads a rank function made, for ``same_state``."""
+    return [records[index] for _, records in sorted(calls.by_rank.items())]
+
+
+@contextlib.contextmanager
+def state_again_at(
+    owner: Any,
+    name: str,
+    given_to: tuple[Any, str],
+    where: Callable[[observe.Call], bool] | None = None,
+    position: int = 0,
+    keyword: str = "state_dict",
+) -> Iterator[observe.Calls]:
+    """Watch ``owner.name`` (``dist.destroy_process_group``): at each call, every rank's
+    snapshot of the state it last gave ``given_to`` (``(dcp, "async_save")``), as that state
+    is *then*: the live model and optimizer after the training that followed the save."""
+    last: dict[str, Any] = {}  # this rank's, in this process
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        last["state"] = observe.Call(args, kwargs).argument(position, keyword)
+        return original(*args, **kwargs)
+
+    def wanted(call: observe.Call) -> bool:
+        return "state" in last and (where is None or where(call))
+
+    with (
+        observe.replaced(*given_to, keep) as original,
+        observe.watch(
+            owner, name, lambda call: snapshot(last["state"]), before=True, where=wanted
+        ) as calls,
+    ):
+        yield calls
+
+
+@dataclasses.dataclass
+class SaveAndAfter:
+    """What ``state_at_save_and_end`` watched: the state at the save, and after it."""
+
+    at_save: observe.Calls
+    after: observe.Calls
+
+
+@contextlib.contextmanager
+def state_at_save_and_end(
+    where: Callable[[observe.Call], bool],
+    save: tuple[Any, str] | None = None,
+    end: tuple[Any, str] | None = None,
+) -> Iterator[SaveAndAfter]:
+    """Every rank's snapshot of the state given to ``save`` (default ``dcp.async_save``) at
+    the calls ``where`` accepts, and of the same live state again at each call of ``end``
+    that names what it ends (default ``dist.destroy_process_group(group)``, the checkpoint
+    group's, not the launcher's: training is over)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    save = save or (dcp, "async_save")
+    with (
+        state_given_to(*save, where=where) as at_save,
+        state_again_at(
+            *(end or (dist, "destroy_process_group")),
+            given_to=save,
+            where=lambda call: bool(call.args or call.kwargs),
+        ) as later,
+    ):
+        yield SaveAndAfter(at_save, later)
+
+
+def state_at_the_save(prefix: str, watched: SaveAndAfter, loaded: Any, what: str) -> None:
+    """Decide two claims about a checkpoint loaded back: it is the state at the save call,
+    bit for bit (``<prefix>-is-the-state-at-the-save``), and not the state that training
+    reached after it (``<prefix>-is-not-the-state-after``)."""
+    same_state(f"{prefix}-is-the-state-at-the-save", watched.at_save, loaded, f"{what} vs the save")
+    differing_state(f"{prefix}-is-not-the-state-after", watched.after, loaded, f"{what} vs the end")

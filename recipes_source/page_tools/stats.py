@@ -183,3 +183,61 @@ def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
     low, high = format(entry["min"], spec), format(entry["max"], spec)
     text = f"{format(entry['median'], spec)}{unit} [{low} .. {high}]"
     return text + (" within noise" if entry.get("within_noise") else "")
+
+
+def claim_less(
+    claim: str,
+    a_name: str,
+    a: Sequence[float],
+    b_name: str,
+    b: Sequence[float],
+    unit: str,
+    scale: float = 1.0,
+) -> dict:
+    """Decide the claim that ``a`` is less than ``b`` by more than noise, and say it in the
+    words of ``verdict`` (a claim that fails shows the numbers it rests on)."""
+    from page_tools import figures, results
+
+    said, diff = verdict(a_name, a, b_name, b, unit, scale)
+    results.claim(
+        claim, not diff["within_noise"] and diff["effect"] > 0, figures.wrapped(said), **diff
+    )
+    return diff
+
+
+def added(*series: Sequence[float]) -> list[float]:
+    """Element-wise sums of equally long series (two phases of each attempt)."""
+    return [sum(values) for values in zip(*series, strict=True)]
+
+
+def say(
+    a_name: str, a: Sequence[float], b_name: str, b: Sequence[float], unit: str, scale: float = 1.0
+) -> dict:
+    """Print ``verdict``'s sentence, in lines that fit the page, and return its numbers."""
+    from page_tools import figures
+
+    said, diff = verdict(a_name, a, b_name, b, unit, scale)
+    print(figures.wrapped(said))
+    return {"said": said, **diff}
+
+
+def claim_less_paired(
+    claim: str, series: dict[str, Sequence[float]], a: str, b: str, unit: str, scale: float = 1.0
+) -> dict:
+    """Decide the claim that ``series[a]`` took less than ``series[b]`` in every one of their
+    paired measurements (attempt by attempt: a slow moment of a shared machine slows both of
+    a pair), and say it with ``verdict``'s sentence on the medians and their noise."""
+    from page_tools import figures, results
+
+    if len(series[a]) != len(series[b]):
+        raise ValueError("paired measurements come in pairs")
+    said, diff = verdict(a, series[a], b, series[b], unit, scale)
+    pairs = list(zip(series[a], series[b], strict=True))
+    shown = ", ".join(f"{x * scale:.3g} < {y * scale:.3g}" for x, y in pairs)
+    results.claim(
+        claim,
+        all(x < y for x, y in pairs),
+        figures.wrapped(f"{a} took less than {b} in each attempt ({shown} {unit}); {said}"),
+        **diff,
+    )
+    return diff
