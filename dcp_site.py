@@ -46,6 +46,7 @@ RECIPE_ORDER = (
     "async_save_recipe.py",
     "default_stager_recipe.py",
     "resume_recipe.py",
+    "torchrun_restart_recipe.py",
     "staging_pitfalls_recipe.py",
     "checkpoint_stall_benchmark.py",
     "save_load_speed_recipe.py",
