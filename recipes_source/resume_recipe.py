@@ -423,8 +423,8 @@ proofs.keeps_newest("keep-latest-k", at.by_rank[0], saved_steps(uninterrupted_ro
 def run_until_it_fails(fn, *args):
     try:
         run_on_ranks(fn, *args)
-    except RankFailedError as err:
-        print("the job failed:", err)
+    except RankFailedError as err:  # names the rank that failed, with what each rank printed
+        print("the job failed:", str(err).split("Traceback")[0].rstrip())  # peers' errors aside
         return err
 
 
