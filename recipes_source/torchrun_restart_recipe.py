@@ -403,9 +403,10 @@ proofs.same_state(
 # Plain ``init_process_group`` against the prefixed store
 # -------------------------------------------------------
 # How often does a restart fail? While the cells above ran, two minimal jobs
-# ran under ``torchrun --max-restarts=3``: two ranks create the group, rank 1
-# is killed after the first barrier of every attempt but the last, and every
-# restart has to form the group again. One job creates it with a plain
+# ran under torch's elastic agent as ``torchrun --max-restarts=3`` runs them
+# (from a fork server: a restart takes a moment): two ranks create the group,
+# rank 1 is killed after the first barrier of every attempt but the last, and
+# every restart has to form the group again. One job creates it with a plain
 # ``dist.init_process_group("gloo")``, the other on the prefixed store, as
 # ``init_process_group_for_this_attempt()`` does:
 #
@@ -414,8 +415,9 @@ proofs.same_state(
 #    dist.init_process_group("gloo")        # env://: the agent's store, keys of every attempt
 #    init_process_group_for_this_attempt()  # the same store, under "attempt-N/"
 #
-# The plain job's counts vary from build to build (it is a race); the prefixed
-# one forms the group at every restart.
+# The plain job's counts vary from build to build (it is a race; an attempt
+# without a group after 15 s counts as hung); the prefixed one forms the group
+# at every restart.
 
 counts = results.record("restart-probe", restarts.finish(restart_probe))
 results.claim(
@@ -425,9 +427,10 @@ results.claim(
     **counts["prefixed"],
 )
 figures.Table(
-    ["group created", "restarts", "group formed again", "gloo connect failed", "job exit"],
+    ["group created", "restarts", "formed again", "connect failed", "hung", "job exit"],
     [
-        [mode, *(c[k] for k in ("restarts", "formed_after_restart", "connect_failed", "exit"))]
+        [mode]
+        + [c[k] for k in ("restarts", "formed_after_restart", "connect_failed", "hung", "exit")]
         for mode, c in counts.items()
     ],
     caption="torchrun --max-restarts=3: plain init_process_group against the prefixed store",
