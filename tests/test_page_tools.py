@@ -1955,3 +1955,175 @@ def test_wrapped_lines_fit_and_medians_tables():
     assert text.splitlines()[1].startswith("  ") and text.splitlines()[-1] == "second paragraph"
     table = figures.medians(["phase", "ms"], {"stage": [0.001, 0.003, 0.002]}, 1e3)
     assert table.rows == [["stage", 2.0]]
+
+
+# --------------------------------------------------------------------------
+# For the resume and torchrun-restart pages: faults, restarts, and what they added to
+# proofs, ranks and figures
+# --------------------------------------------------------------------------
+
+
+def test_kills_fire_where_planned_and_leave_torch_as_it_was(recipe_runner):
+    """In forked ranks: at a byte of a file, at a tensor of a staging, at an optimizer step;
+    in a new process (a torchrun worker) of attempt 0 only; and a kill that never fires."""
+    result = recipe_runner.script(SCRIPTS / "faults_in_forked_ranks.py", world_size=2, timeout=240)
+    output = assert_ok(result)
+    fired = {
+        line.split(": fired ")[0]: json.loads(line.split(": fired ", 1)[1])
+        for line in output.splitlines()
+        if ": fired " in line
+    }
+    assert fired["write"] == [
+        {"attempt": 0, "bytes": 2500, "kind": "write", "rank": 1, "world_size": 2}
+    ], output
+    assert "'write-1.distcp': 2500" in output, "the bytes before the kill are on disk"
+    assert fired["staging"][0] | {"rank": 0, "staging": 2, "tensors": 3} == fired["staging"][0]
+    assert fired["step"][0]["step"] == 4 and fired["step"][0]["existed"] is True
+    assert fired["unfired"] == [] and "unfired: claim failed: True" in output
+    for what in ("write", "staging", "step"):
+        assert f"{what}: failure recipe 'faults_in_forked_ranks': rank " in output
+        assert "failed: killed by SIGKILL" in output
+    assert output.count(": restored True") == 5, output
+    assert fired["new process"][0]["bytes"] == 1000
+    assert "new process: exit -9 other attempt exit 0" in output, "attempt 1 is not killed"
+    assert "new process: sizes 1000 5000" in output
+    assert recipe_runner.leftovers() == []
+
+
+def test_kill_blocks_restore_when_the_block_raises_and_refuse_torchrun(monkeypatch):
+    from page_tools import faults
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    create_stream, offload = FileSystem.create_stream, StateDictStager._offload_tensor
+    hooks, path = len(_global_optimizer_pre_hooks), os.environ.get("PYTHONPATH")
+    for kill in (
+        faults.kill_in_write(10, r"x$", new_processes=True),
+        faults.kill_in_staging(1, 1),
+        faults.kill_at_step(1),
+    ):
+        with pytest.raises(RuntimeError, match="a cell that fails"), kill as armed:
+            if armed.kind == "write":  # new processes: a sitecustomize first on the path
+                first = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+                assert os.path.exists(os.path.join(first, "sitecustomize.py"))
+                assert json.loads(os.environ[faults.PLAN_ENV])["after_bytes"] == 10
+            raise RuntimeError("a cell that fails")
+    assert FileSystem.create_stream is create_stream
+    assert StateDictStager._offload_tensor is offload
+    assert len(_global_optimizer_pre_hooks) == hooks
+    assert os.environ.get("PYTHONPATH") == path and faults.PLAN_ENV not in os.environ
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(RuntimeError, match="need ranks it forks"), faults.kill_at_step(1):
+        pass
+
+
+def test_a_crash_is_only_as_planned_with_the_record_the_error_and_the_files(tmp_path):
+    from page_tools import faults
+
+    torn, complete = tmp_path / "step-00000040", tmp_path / "step-00000030"
+    torn.mkdir()
+    complete.mkdir()
+    (complete / ".metadata").write_bytes(b"")
+    (torn / "__1_0.distcp").write_bytes(b"x" * 100)
+    record = {"rank": 1, "world_size": 2, "path": str(torn / "__1_0.distcp"), "bytes": 100}
+    kill = faults.Kill("write", {"rank": -1}, [record])
+    failure = "recipe 'r': rank 1 failed: killed by SIGKILL"
+    faults.crashed_as_planned("held", kill, failure, str(tmp_path), torn=[40], complete=[30])
+    for broken in (
+        (faults.Kill("write", {"rank": -1}, []), failure, [40]),  # the kill did not fire
+        (kill, "recipe 'r': rank 0 failed: rank 0 raised", [40]),  # another failure
+        (kill, failure, [30]),  # step 30 is complete, not torn
+        (faults.Kill("write", {"rank": -1}, [{**record, "bytes": 99}]), failure, [40]),
+        (faults.Kill("write", {"rank": 0}, [record]), failure, [40]),  # not the planned rank
+    ):
+        with pytest.raises(results.ClaimFailed):
+            faults.crashed_as_planned("broken", broken[0], broken[1], str(tmp_path), torn=broken[2])
+    torchrun_log = "E... failed (exitcode: -9) local_rank: 1 (pid: 7) of binary: python"
+    faults.crashed_as_planned("torchrun", kill, torchrun_log, str(tmp_path), complete=[30])
+
+
+def test_assemble_keeps_the_values_only_one_rank_holds():
+    zero = {"shared": 1, "rank0.rng": proofs.Piece((2,), (0,), torch.zeros(2))}
+    one = {"shared": 1, "rank1.rng": proofs.Piece((2,), (0,), torch.ones(2))}
+    whole = proofs.assemble([zero, one])
+    assert set(whole) == {"shared", "rank0.rng", "rank1.rng"}
+    assert torch.equal(whole["rank1.rng"], torch.ones(2))
+
+
+def test_same_numbers_wants_the_same_floats_at_exactly_the_steps(capsys):
+    expected = {step: step / 7 for step in range(1, 61)}
+    proofs.same_numbers(
+        "same", expected, {s: expected[s] for s in range(31, 61)}, "loss", range(31, 61)
+    )
+    assert "loss at steps 31-60: 0 of 30 differ" in capsys.readouterr().out
+    nudged = {s: expected[s] + (1e-12 if s == 40 else 0) for s in range(31, 61)}
+    with pytest.raises(results.ClaimFailed, match="1 of 30 differ"):
+        proofs.same_numbers("nudged", expected, nudged, "loss", range(31, 61))
+    with pytest.raises(results.ClaimFailed):  # resumed from step 40, not 30
+        proofs.same_numbers(
+            "late", expected, {s: expected[s] for s in range(41, 61)}, "loss", range(31, 61)
+        )
+
+
+def test_checkpoint_state_reads_a_checkpoint_back_whole(recipe_runner):
+    result = recipe_runner.script(SCRIPTS / "read_checkpoint.py", world_size=2, timeout=120)
+    output = assert_ok(result)
+    assert "on disk vs saved: 1 tensors and 1 other values compared, 0 differ" in output, output
+    assert "changed on disk: 1 of 1 tensors differ" in output, output
+    assert recipe_runner.leftovers() == []
+
+
+def test_exactly_n_ranks_hides_too_few_gpus_and_restores(monkeypatch):
+    monkeypatch.setenv("DCP_RECIPES_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with ranks.exactly(3) as launched:
+        assert launched == 3 and os.environ["DCP_RECIPES_WORLD_SIZE"] == "3"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "", "fewer GPUs than ranks: CPU ranks"
+    with ranks.exactly(1):
+        assert (
+            os.environ["DCP_RECIPES_WORLD_SIZE"] == "1" and "CUDA_VISIBLE_DEVICES" not in os.environ
+        )
+    assert os.environ["DCP_RECIPES_WORLD_SIZE"] == "2" and "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_the_restart_probe_counts_what_its_jobs_printed(tmp_path):
+    from page_tools import restarts
+
+    logs = {
+        "plain": "probe attempt 0: the group formed\nGloo connectFullMesh failed with x\n"
+        "Gloo connectFullMesh failed with y\nprobe attempt 2: no group after 15 s\n"
+        "probe attempt 3: the group formed\n",
+        "prefixed": "".join(f"probe attempt {a}: the group formed\n" for a in range(4)),
+    }
+    jobs = {}
+    for mode, text in logs.items():
+        log = tmp_path / f"{mode}.log"
+        log.write_text(text)
+        code = "import sys; sys.exit(1 if sys.argv[1] == 'plain' else 0)"
+        jobs[mode] = (subprocess.Popen([sys.executable, "-c", code, mode]), str(log), 0.0)
+    counts = restarts.finish(restarts.Probe(3, jobs, str(tmp_path)), timeout_s=60)
+    expected = {"formed_after_restart": 1, "connect_failed": 2, "hung": 1, "exit": 1}
+    assert counts["plain"] | expected == counts["plain"]
+    assert counts["prefixed"]["formed_after_restart"] == 3 and counts["prefixed"]["exit"] == 0
+    assert not tmp_path.exists(), "the probe's logs and folder are removed"
+
+
+def test_loss_curves_draw_each_curve_and_mark(tmp_path):
+    import matplotlib
+
+    matplotlib.use("agg")
+    figure = figures.loss_curves(
+        {"a": {1: 1.0, 2: 0.5}, "b": {1: 1.0}, "c": {2: 0.5}}, {1: "one", 2: "two"}
+    )
+    axis = figure.axes[0]
+    assert [line.get_label() for line in axis.get_lines()][:3] == ["a", "b", "c"]
+    zorders = [line.get_zorder() for line in axis.get_lines()[:3]]
+    assert zorders[0] < zorders[2] < zorders[1], "b lies over c, both over a"
+    assert [text.get_text() for text in axis.texts] == ["one", "two"]
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)

@@ -280,3 +280,49 @@ def medians(
         [[name, round(statistics.median(values) * scale, digits)] for name, values in rows.items()],
         caption,
     )
+
+
+def loss_curves(
+    curves: dict[str, dict[int, float]],
+    marks: dict[int, str] | None = None,
+    ylabel: str = "loss (mean over ranks)",
+):
+    """A plot of named curves (step -> loss): the first wide and pale under the others, each
+    of the others over the ones after it; a dashed vertical line and its label at each step
+    of ``marks``. Returns the figure (Sphinx-Gallery shows the figures a cell leaves open)."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 3.8))
+    styles = [
+        {"color": "tab:gray", "lw": 5, "alpha": 0.4},
+        {"color": "tab:red", "marker": "o", "ms": 2, "lw": 1},
+        {"color": "tab:blue", "marker": "s", "ms": 4, "lw": 1},
+        {"color": "tab:green", "marker": "^", "ms": 4, "lw": 1},
+    ]
+    for index, ((label, curve), style) in enumerate(zip(curves.items(), styles, strict=False)):
+        steps = sorted(curve)  # an earlier curve lies over a later one where both have points
+        axis.plot(
+            steps,
+            [curve[s] for s in steps],
+            label=label,
+            zorder=10 - index if index else 1,
+            **style,
+        )
+    for position, (step, label) in enumerate(sorted((marks or {}).items())):
+        axis.axvline(step, color="tab:red" if position == len(marks) - 1 else "tab:blue", ls="--")
+        axis.annotate(
+            label,
+            (step, 0.95 - 0.25 * position),
+            xycoords=("data", "axes fraction"),
+            ha="right",
+            va="top",
+            fontsize=8,
+            xytext=(-4, 0),
+            textcoords="offset points",
+        )
+    axis.set_xlabel("step")
+    axis.set_ylabel(ylabel)
+    axis.set_yscale("log")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    return figure

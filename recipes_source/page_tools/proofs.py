@@ -94,7 +94,8 @@ def assemble(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     a tensor's shards do not cover it.
     """
     whole: dict[str, Any] = {}
-    for name in snapshots[0]:
+    names = dict.fromkeys(name for snap in snapshots for name in snap)  # a rank's own keys too
+    for name in names:
         parts = [snap[name] for snap in snapshots if name in snap]
         if not isinstance(parts[0], Piece):
             if any(part != parts[0] for part in parts[1:]):
@@ -192,6 +193,41 @@ def same_state(claim: str, expected: Any, actual: Any, what: str) -> Comparison:
     return comparison
 
 
+def same_numbers(
+    claim: str, expected: Mapping, actual: Mapping, what: str, keys: Any = None
+) -> list:
+    """Decide that every number of ``actual`` (step -> loss, say) is the one ``expected`` has
+    under the same key, the same float, and that ``actual`` has exactly ``keys`` (if given)."""
+    keys = list(actual) if keys is None else list(keys)
+    differ = [key for key in keys if key not in actual or actual[key] != expected.get(key)]
+    has_keys = sorted(actual) == sorted(keys) and bool(keys)
+    span = f"{keys[0]}-{keys[-1]}" if keys else "none"
+    results.claim(
+        claim,
+        has_keys and not differ,
+        f"{what} at steps {span}: {len(differ)} of {len(keys)} differ",
+        keys=[keys[0], keys[-1]] if keys else [],
+        compared=len(keys),
+        differ=differ[:20],
+        actual_keys=[min(actual), max(actual)] if actual else [],
+    )
+    return differ
+
+
+def keeps_newest(claim: str, at_saves: list, left: dict, every: int, keep: int) -> None:
+    """Decide that a keep-the-newest-``keep`` clean-up did its job in a run that saves every
+    ``every`` steps from step ``every`` on. ``at_saves``: the step directories before each
+    save, ``{step: complete?}``; ``left``: the same at the end. Before each save, the complete
+    ones must be the save before it (awaited) and at most ``keep`` older ones; at the end,
+    the newest ``keep``, all complete."""
+    complete = [sorted(step for step, done in steps.items() if done) for steps in at_saves]
+    saves = [every * (i + 1) for i in range(len(at_saves))]
+    expected = [list(range(max(s - (keep + 1) * every, every), s, every)) for s in saves]
+    held = bool(saves) and complete == expected and left == dict.fromkeys(saves[-keep:], True)
+    said = f"complete at the saves: {' '.join(map(str, complete))}\nleft at the end: {list(left)}"
+    results.claim(claim, held, said, complete_at_each_save=complete, left=list(left))
+
+
 def differing_state(claim: str, expected: Any, actual: Any, what: str) -> Comparison:
     """Decide that ``actual`` differs from ``expected`` (training went on), and say how."""
     comparison = compare(whole_state(expected), whole_state(actual))
@@ -234,6 +270,27 @@ def state_after(
 def value_returned_by(owner: Any, name: str, where: Callable[[observe.Call], bool] | None = None):
     """Watch ``owner.name``: every rank's snapshot of what it returned."""
     return observe.watch(owner, name, lambda call: snapshot(call.result), where=where)
+
+
+def checkpoint_state(path: str) -> dict[str, Any]:
+    """A whole DCP checkpoint as it is on disk: one snapshot of every value in it, by dotted
+    name, read in a process of its own (the page's process starts no reader threads), for
+    ``same_state`` with another checkpoint or with a watch's records."""
+    from rank_launcher import run_on_one_process
+
+    return run_on_one_process(_read_checkpoint, str(path))
+
+
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    import os
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as directory:
+        target = os.path.join(directory, "checkpoint.pt")
+        dcp_to_torch_save(path, target)
+        return snapshot(torch.load(target, weights_only=False))
 
 
 def reads_file(suffix: str) -> Callable[[observe.Call], bool]:

@@ -56,3 +56,29 @@ def cpu_only() -> Iterator[bool]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+@contextlib.contextmanager
+def exactly(count: int) -> Iterator[int]:
+    """Launches inside the block use ``count`` ranks: one per GPU where the machine has that
+    many GPUs, else ``count`` CPU ranks (the launcher puts one rank on each GPU). A page that
+    resumes on another number of ranks runs each launch in one.
+
+    Under torchrun, whose ranks are given, nothing changes. The environment is restored
+    on exit. Yields the number of ranks the launches inside will use.
+    """
+    if under_torchrun():
+        yield int(os.environ["WORLD_SIZE"])
+        return
+    saved = {name: os.environ.get(name) for name in (WORLD_SIZE_ENV, "CUDA_VISIBLE_DEVICES")}
+    os.environ[WORLD_SIZE_ENV] = str(count)
+    if 0 < torch.cuda.device_count() < count:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield count
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
