@@ -227,12 +227,10 @@ with (
 ):
     run_on_ranks(save_in_three_phases, os.path.join(WORK_DIR, "phases"))
 phases = {  # each attempt on the slowest rank: collectives wait for it
-    "1. collect the state dict": timing.slowest_calls(collected, lambda span: not span.within),
-    "2. stage: copy it to host memory": timing.slowest_calls(staged),
-    "3. plan, serialise, write, .metadata": timing.slowest_calls(
-        saved, timing.label_has("staged-")
-    ),
-    "dcp.save (1, 2 and 3)": timing.slowest_calls(saved, timing.label_has("live-")),
+    "1. collect the state dict": timing.longest(collected, lambda span: not span.within),
+    "2. stage: copy it to host memory": timing.longest(staged),
+    "3. plan, serialise, write, .metadata": timing.longest(saved, timing.label_has("staged-")),
+    "dcp.save (1, 2 and 3)": timing.longest(saved, timing.label_has("live-")),
 }
 phases["async_save (1 and 2)"] = stats.added(*list(phases.values())[:2])
 results.record("phases_s", phases)
@@ -344,9 +342,7 @@ def train_with_one_stager(checkpoint_root):
 with (
     timing.async_save_loop(train_step) as one_stager,
     proofs.state_at_save_and_end(proofs.saving_into(f"step-{LAST_SAVE}")) as one_state,
-    observe.watch(
-        DefaultStager, "stage", lambda call: memory.storage_addresses(call.result)
-    ) as buffers,
+    observe.watch(DefaultStager, "stage", lambda call: memory.addresses(call.result)) as buffers,
 ):
     run_on_ranks(train_with_one_stager, os.path.join(WORK_DIR, "one-stager"))
 results.claim(
@@ -579,6 +575,7 @@ def main(checkpoint_root):
     try:
         train(checkpoint_root)
         resume(checkpoint_root)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

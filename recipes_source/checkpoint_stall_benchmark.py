@@ -573,6 +573,7 @@ def main(checkpoint_dir, strategy="DefaultStager overlap"):
         run = train_with_checkpoints(strategy, training_threads(), checkpoint_dir)
         stall = run["stall_s"] / CHECKPOINTS
         print(f"{strategy}: stall {stall:.3f} s per checkpoint, loss {run['loss']:.6g}")
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 
@@ -591,8 +592,7 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_async_save_recipe.py`: the asynchronous save this
-#   page measures, step by step.
+# * :ref:`sphx_glr_recipes_async_save_recipe.py`: the asynchronous save, step by step.
 # * :ref:`sphx_glr_recipes_default_stager_recipe.py`: overlapping the copy to
 #   host memory with the next forward and backward pass, and its rules.
 # * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: what goes wrong when

@@ -563,6 +563,7 @@ def main(hub_dir):
         model = build_sharded_llama(seed=1)
         load_hf_checkpoint(model, hub_dir)
         train(model)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

@@ -401,6 +401,7 @@ def main(export_dir):
         model = build_sharded_llama(seed=0)
         train(model)
         export_for_transformers(model, export_dir)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

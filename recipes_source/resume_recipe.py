@@ -570,6 +570,7 @@ def main(checkpoint_root):
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
         train(checkpoint_root)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

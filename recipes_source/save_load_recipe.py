@@ -399,6 +399,7 @@ def main(checkpoint_dir):
     try:
         train_and_save(checkpoint_dir)
         load_checkpoint(checkpoint_dir)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

@@ -576,6 +576,7 @@ def main(checkpoint_root, repeats):
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
         save_and_load_every_way(checkpoint_root, repeats)
+        dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 

@@ -46,7 +46,7 @@ creates to the one it destroys): one record per stretch comes back by rank.
 
 Host memory: how big a state is, where its staged copies live, and what pinning costs.
 
-``tensor_bytes`` and ``storage_addresses`` read a (nested) state dict on a rank: the bytes of the
+``tensor_bytes`` and ``addresses`` read a (nested) state dict on a rank: the bytes of the
 tensors it holds (of a ``DTensor``, this rank's shard), and the storages they live in (a
 stager that reuses its buffers returns the same storages at every save).
 ``staged_copies_shared`` watches a rank's stager and saves: whether each staged copy is in
@@ -598,7 +598,7 @@ def tensor_bytes(state: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _local_tensors(state))
 
 
-def storage_addresses(state: Any) -> list[int]:
+def addresses(state: Any) -> list[int]:
     """The address of the storage of every tensor this rank holds, in the state's order."""
     return [t.untyped_storage().data_ptr() for t in _local_tensors(state)]
 

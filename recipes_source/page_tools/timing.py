@@ -1287,9 +1287,7 @@ def spans_of(function: Callable[..., Any], **options: Any):
     return spans(sys.modules[function.__module__], function.__name__, **options)
 
 
-def slowest_calls(
-    calls: observe.Calls, where: Callable[[CallSpan], bool] | None = None
-) -> list[float]:
+def longest(calls: observe.Calls, where: Callable[[CallSpan], bool] | None = None) -> list[float]:
     """Seconds of each kept call on the slowest rank: the i-th value is the longest i-th
     call of any rank (collectives make every rank wait for the slowest)."""
     kept = [
@@ -1300,7 +1298,7 @@ def slowest_calls(
 
 
 def label_has(text: str) -> Callable[[CallSpan], bool]:
-    """For ``slowest_calls``'s ``where``: the spans whose label (a path, say) contains ``text``."""
+    """For ``longest``'s ``where``: the spans whose label (a path, say) contains ``text``."""
     return lambda span: text in str(span.label)
 
 

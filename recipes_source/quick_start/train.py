@@ -63,6 +63,7 @@ def main(root):
             dcp.save(state, checkpoint_id=os.path.join(root, f"step-{step}"))
             if dist.get_rank() == 0:
                 print(f"step {step}: loss {loss.item():.4f}; saved step-{step}")
+    dist.barrier()  # no rank tears gloo down while another one still sends
     dist.destroy_process_group()
 
 
