@@ -365,8 +365,9 @@ class PageNames(set):
 def page_names(code: str) -> PageNames:
     """The names that belong to the page's own work: those a recipe binds to the page
     package (``from page_tools import proofs``), then, in order, every name a page
-    statement binds (``with proofs.state_after(...) as loaded``, ``table = figures...``):
-    a statement that uses one of them is page work too, and leaves the downloads."""
+    statement binds at its top (``with proofs.state_after(...) as loaded``,
+    ``table = figures...``), until recipe code binds it again: a statement that uses one of
+    them is page work too, and leaves the downloads."""
     tree = ast.parse(code)
     names = {PAGE_PACKAGE}
     for node in ast.walk(tree):
@@ -382,22 +383,46 @@ def page_names(code: str) -> PageNames:
     names.package = frozenset(names)
     for node in tree.body:
         if is_page_wrapper(node, names):
-            bound = [item.optional_vars for item in node.items if item.optional_vars is not None]
-        elif is_page_statement(node, names) and not _is_page_import(node):
-            bound = [node]
+            names |= _bound(*(item.optional_vars for item in node.items if item.optional_vars))
+            names -= _bound(*node.body) - names.package  # the recipe code it wraps
+        elif is_page_statement(node, names):
+            names |= _bound(node) if not _is_page_import(node) else set()
         else:
-            continue
-        names |= {
-            sub.id
-            for target in bound
-            for sub in ast.walk(target)
-            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)
-        }
+            names -= _bound(node) - names.package  # recipe code binds the name again
     return names
 
 
+def _bound(*nodes: ast.AST) -> set[str]:
+    """The names a statement binds in the module's scope: not those of its comprehensions,
+    lambdas, functions or classes, which have scopes of their own."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+            return
+        if isinstance(node, ast.Lambda | ast.comprehension | ast.ListComp | ast.SetComp):
+            return
+        if isinstance(node, ast.DictComp | ast.GeneratorExp):
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    for node in nodes:
+        visit(node)
+    return found
+
+
 def _uses(node: ast.AST, names: set[str]) -> bool:
-    return any(isinstance(sub, ast.Name) and sub.id in names for sub in ast.walk(node))
+    """Whether ``node`` reads one of ``names`` that it does not bind itself."""
+    loaded = {
+        sub.id
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id in names
+    }
+    return bool(loaded - (_bound(node) - getattr(names, "package", set())))
 
 
 def _is_page_import(node: ast.stmt) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import os
 import re
@@ -198,6 +199,28 @@ def expected_header_links(name: str) -> list[str]:
     ]
 
 
+def unbound_names(tree: ast.Module) -> set[str]:
+    """Names a module reads but never binds anywhere (a NameError waiting to happen)."""
+    bound = set(dir(builtins)) | {"__file__", "__name__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            bound |= set(node.names)
+    loaded = {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+    return loaded - bound
+
+
 def launcher_source() -> str:
     return (RECIPES / "rank_launcher.py").read_text()
 
@@ -206,7 +229,16 @@ def launcher_source() -> str:
 def test_downloads_hold_the_recipe_and_the_launcher(site, name):
     script = page_download(name, ".py").read_text()
     assert "from rank_launcher import" not in script, "the download imports nothing of ours"
-    assert "page_tools" not in script and "sphinx_gallery_start_ignore" not in script
+    tree = ast.parse(script)
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    } | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "page_tools" not in imported, "the download imports nothing of the page package"
+    assert "sphinx_gallery_start_ignore" not in script
+    assert unbound_names(tree) == set(), "names the download reads but never binds"
     defined = {
         n.name for n in ast.parse(script).body if isinstance(n, ast.FunctionDef | ast.ClassDef)
     }
