@@ -60,8 +60,11 @@ browser-deps:
 		$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install \
 			-y -qq --no-install-recommends chromium fonts-liberation >/dev/null; }
 
+# One worker per core; a worker takes over another's tests when it runs out (worksteal).
+PYTEST_ARGS ?= -n auto --dist worksteal
+
 pytest: $(READY) browser-deps
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint html pytest
 

@@ -5,7 +5,8 @@ a lock) passes a test suite most days. This tool runs, from the built site:
 
 * every page's script download at 3 ranks (``python <recipe>.py``, alone in an empty
   directory);
-* the Hugging Face page's download at 3 ranks, 30 times (the page that hung 3 of 9);
+* the Hugging Face pages' downloads at 3 ranks, 30 times each (the page that hung 3 of 9,
+  since split in two: the export, and the import into sharded training);
 * every page's notebook at 3 ranks, in a Jupyter kernel (which runs threads of its own).
 
 Every run has a deadline: the launcher's (``DCP_RECIPES_TIMEOUT``, 240 s here), then the
@@ -39,7 +40,7 @@ OUT = ROOT / "_build" / "stress"
 RANKS = 3
 LAUNCH_DEADLINE_S = 240
 RUN_DEADLINE_S = 300
-HF_RECIPE = "hf_interop_recipe"
+HF_RECIPES = ("hf_interop_recipe", "hf_import_recipe")
 FIRST_ERROR = re.compile(r"^\S*(Error|Exception)\b.*$", re.M)
 
 
@@ -115,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
     recipes = args.only.split(",") if args.only else RECIPE_NAMES
     plan = [("script", name, 0) for name in recipes]
-    if HF_RECIPE in recipes:
-        plan += [("script", HF_RECIPE, i) for i in range(1, args.repeat_hf)]
+    for hf_recipe in HF_RECIPES:
+        if hf_recipe in recipes:
+            plan += [("script", hf_recipe, i) for i in range(1, args.repeat_hf)]
     if not args.no_notebooks:
         plan += [("notebook", name, 0) for name in recipes]
     OUT.mkdir(parents=True, exist_ok=True)
