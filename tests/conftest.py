@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,10 @@ from recipe_runner import HTML, ROOT, RecipeRunner
 
 
 @pytest.fixture
-def recipe_runner(tmp_path: Path) -> RecipeRunner:
+def recipe_runner(tmp_path: Path) -> Iterator[RecipeRunner]:
     """Runs recipes with a private TMPDIR; ``recipe_runner.leftovers()`` lists what stayed."""
-    return RecipeRunner(tmp_path)
+    with tempfile.TemporaryDirectory(prefix="dcp-", dir="/tmp") as short:
+        yield RecipeRunner(tmp_path, Path(short))
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ import nbformat
 import psutil
 from bs4 import BeautifulSoup
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 from dcp_site import recipe_names, standalone_script
 
@@ -37,6 +38,11 @@ CHECKPOINT_FILE = re.compile(r"\.distcp$|^\.metadata$|\.pt$")
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
 # What an unintended problem looks like in a run's output.
 TRACEBACK = "Traceback (most recent call last)"
+# tqdm's warning in a kernel without ipywidgets (the Hugging Face pages import tqdm), and the
+# source line Python prints under it: the kernel's environment, not the recipe's.
+KERNEL_ONLY_WARNING = re.compile(
+    r"^\S+/tqdm/auto\.py:\d+: TqdmWarning: IProgress not found\..*\n.*\n", re.M
+)
 WARNING_LINE = re.compile(r"\S+\.py:\d+: \w*Warning: ")
 
 RECIPE_NAMES = recipe_names(ROOT)
@@ -100,10 +106,13 @@ def _free_port() -> int:
 class RecipeRunner:
     """Runs a recipe's download in an empty directory, with its own TMPDIR so leftovers show."""
 
-    def __init__(self, tmp_path: Path):
-        self.tmpdir = tmp_path / "tmp"
-        self.tmpdir.mkdir()
+    def __init__(self, tmp_path: Path, tmpdir: Path | None = None):
+        # A unix socket's path holds at most 107 bytes, and multiprocessing puts its
+        # listeners under TMPDIR: pytest's tmp_path (longer still under xdist) does not fit.
+        self.tmpdir = tmpdir if tmpdir is not None else tmp_path / "tmp"
+        self.tmpdir.mkdir(exist_ok=True)
         self.workdir = tmp_path / "download"  # where the downloaded script runs, alone
+        self.results_dir = tmp_path / "results"  # a source run's results file
         self.workdir.mkdir()
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -172,7 +181,7 @@ class RecipeRunner:
     def source(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
         """``python recipes_source/<recipe>.py``, with its page work, deciding its claims at
         ``world_size`` ranks (a size the build does not run); returns (run, results)."""
-        results_dir = self.tmpdir.parent / "results"
+        results_dir = self.results_dir
         run = self._run(
             [sys.executable, str(recipe_path(name))],
             self.env(
@@ -218,6 +227,22 @@ class RecipeRunner:
             os.environ.clear()
             os.environ.update(saved)
         return notebook
+
+    def notebook_run(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
+        """The page's notebook run as ``python`` runs its script: what it printed, and its status.
+
+        The script download and the notebook hold the same code (a site test says so), and
+        both start their ranks through the same launcher: this run stands for both. The
+        script's other path, ``torchrun``, is each recipe module's own test.
+        """
+        args = [f"{name}.ipynb"]
+        try:
+            printed = KERNEL_ONLY_WARNING.sub(
+                "", notebook_output(self.notebook(name, world_size, timeout))
+            )
+        except CellExecutionError as error:
+            return subprocess.CompletedProcess(args, 1, stdout=str(error), stderr="")
+        return subprocess.CompletedProcess(args, 0, stdout=printed, stderr="")
 
     def _run(self, cmd: list[str], env: dict[str, str], timeout: float):
         return subprocess.run(

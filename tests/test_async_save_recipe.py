@@ -136,7 +136,7 @@ def test_each_runs_checkpoint_is_the_state_at_its_save_not_at_the_end(built, run
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches time and snapshot the recipe, they do not change it."""
     recipes_before = sorted(os.listdir(RECIPES))
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, LOSS) == numbers_in(shown, LOSS) != []
     assert len(numbers_in(output, LOSS)) == 2 * (len(RUNS) + 1), "three runs and main()"

@@ -310,7 +310,7 @@ def test_the_page_shows_the_runs_the_results_file_holds(build):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches do not change the recipe: the same runs, the same losses."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, RUN_LINE) == numbers_in(shown, RUN_LINE) != []
     assert numbers_in(output, MAIN_LINE) == numbers_in(shown, MAIN_LINE) != []
@@ -324,7 +324,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
 
 def test_source_under_torchrun_runs_the_thread_knob(recipe_runner):
     """Under torchrun, with a core to spare, two runs also train with every core."""
-    results_dir = recipe_runner.tmpdir.parent / "results"
+    results_dir = recipe_runner.results_dir
     env = recipe_runner.env(
         DCP_RECIPES_BENCH_GB=SMALLEST_GB, DCP_RECIPES_RESULTS_DIR=str(results_dir)
     )

@@ -150,7 +150,7 @@ def test_page_shows_the_timeline_and_links_the_trace(site):
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches do not change the loop: the same weights after training, in both
     loops and at every checkpoint, as on the page; and nothing of the page's work."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     weights = numbers_in(output, WEIGHTS)
     assert weights == numbers_in(shown, WEIGHTS) and len(weights) == 2 * (3 + len(SAVE_STEPS))

@@ -113,7 +113,7 @@ def test_tied_embeddings_and_the_value_head(built):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     for pattern in (LOSS, LISTED, PRINTED):
         assert numbers_in(output, pattern) == numbers_in(shown, pattern) != [], pattern

@@ -88,7 +88,7 @@ def test_without_consolidation_each_file_holds_one_ranks_slices(built):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     for pattern in (LOSS, LISTED, OPENED):
         assert numbers_in(output, pattern) == numbers_in(shown, pattern) != [], pattern

@@ -111,7 +111,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's kills and watches do not change the recipe: every launch of the download
     (none of them killed) prints the losses of the page's uninterrupted run."""
     recipes_before = sorted(os.listdir(RECIPES))
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     page_losses = numbers_in(shown, LOSS)
     assert len(page_losses) > NUM_STEPS // SAVE_EVERY

@@ -64,7 +64,7 @@ def test_ranks_that_disagree_on_the_directory_fail_at_load(claims):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, LOSS) == numbers_in(shown, LOSS) != []
     assert numbers_in(output, r"^__\d_0\.distcp +[\d,]+ bytes$") == numbers_in(

@@ -211,7 +211,7 @@ def test_the_page_shows_tables_and_the_figure_in_its_column(values):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's work watches the recipe: same model, same bytes written, same rounds."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     for pattern in (MODEL_LINE, WROTE, KNOB_ROW, RSS_LINE):
         assert numbers_in(output, pattern) == numbers_in(shown, pattern) != [], pattern

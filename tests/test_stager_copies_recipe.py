@@ -66,7 +66,7 @@ def test_the_default_options_need_an_accelerator(claims):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """Without the page's holds the dict passed by reference is a race; the rest is not."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, FIXED_AT_THE_CALL) == numbers_in(shown, FIXED_AT_THE_CALL) != []
     assert sorted(numbers_in(output, UPLOAD_RAISED)) == ["0", "1"]

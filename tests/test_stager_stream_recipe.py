@@ -82,7 +82,7 @@ def test_the_page_shows_what_the_build_decided():
 
 
 def test_download_runs_alone_on_one_rank(recipe_runner):
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=1))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=1))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, CHECKPOINTS) == numbers_in(shown, CHECKPOINTS) != []
     assert "not measured here" not in output and "checkpoints the saved state" not in output

@@ -130,7 +130,7 @@ def test_the_page_shows_what_the_build_decided():
 
 def test_download_runs_alone_on_one_rank(recipe_runner):
     """One rank, where the build ran two: the recipe alone prints what the page shows."""
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=1))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=1))
     shown = "".join(page_outputs(RECIPE))
     assert numbers_in(output, STATE_LINE) == numbers_in(shown, STATE_LINE) != []
     assert numbers_in(output, CHECKPOINTS) == numbers_in(shown, CHECKPOINTS) != []

@@ -88,7 +88,8 @@ def test_the_restart_probe_counts_both_ways(results):
 
 def test_download_computes_what_the_page_shows(recipe_runner):
     """Not killed, the download's torchrun job and its other launches train as the page's
-    uninterrupted run does: the same loss at every save."""
+    uninterrupted run does: the same loss at every save. The script, not the notebook: its
+    job is this file under torchrun, and a kernel has no file."""
     recipes_before = sorted(os.listdir(RECIPES))
     output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
@@ -100,6 +101,17 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert_no_traceback(output)
     assert sorted(os.listdir(RECIPES)) == recipes_before
     assert checkpoint_files_in_repo() == []
+    assert recipe_runner.leftovers() == []
+    assert recipe_runner.processes_left() == []
+
+
+def test_notebook_runs_alone_and_says_where_the_job_runs(recipe_runner):
+    """In a kernel the page's launches run; its torchrun job, which needs the file, says so."""
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
+    shown = "".join(page_outputs(RECIPE))
+    assert numbers_in(output, LOSS)[:6] == numbers_in(shown, LOSS)[:6] != []
+    assert "skipped: run the recipe's .py file (not under torchrun)" in output
+    assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
     assert recipe_runner.processes_left() == []
 

@@ -73,7 +73,7 @@ def assert_reaches_the_same_ends(output: str) -> None:
 
 
 def test_download_runs_alone(recipe_runner):
-    output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
+    output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     assert_reaches_the_same_ends(output)
     assert "page_tools" not in output and "differ" not in output, "the proofs are the build's"
     assert recipe_runner.leftovers() == []
