@@ -3,11 +3,10 @@ Asynchronous saving with dcp.async_save
 =======================================
 
 ``dcp.save`` stops training until the checkpoint is on storage; ``dcp.async_save``
-only for as long as it takes to copy the state to host memory, and a background
-thread (or process) writes that copy while training goes on. This recipe builds a
-training loop around ``async_save``, measures what each way of checkpointing
-costs the loop, and proves that the checkpoint holds the state at the moment of
-the save.
+only while it copies the state to host memory, and a background thread (or
+process) writes that copy while training goes on. This recipe builds a loop
+around ``async_save``, measures what each way of checkpointing costs the loop,
+and proves that the checkpoint holds the state at the moment of the save.
 
 .. grid:: 2
 
@@ -25,7 +24,7 @@ the save.
        :class-card: card-prerequisites
 
        * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11.0, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`: ``dcp.save``,
          ``dcp.load`` and the ``AppState`` wrapper
@@ -59,9 +58,8 @@ print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
 # A model with a checkpoint worth waiting for
 # -------------------------------------------
 # A few wide linear layers, sharded with FSDP2, trained with Adam: little
-# compute, but a checkpoint of tens of megabytes, which takes longer to write
-# than a training step. (Every page of this site uses these same few
-# definitions; only the sizes change.)
+# compute, but a checkpoint of tens of megabytes, slower to write than a step.
+# (Every page uses these same few definitions; only the sizes change.)
 
 WIDTH, DEPTH, BATCH, LR = 1024, 3, 8, 1e-3
 
@@ -126,10 +124,10 @@ def train_step(model, optimizer):
 
 # %%
 # The checkpoint has its full size from the first save on: ``get_state_dict``
-# finds Adam without state and creates it with one optimizer step at learning
-# rate zero. The moments stay zero, but Adam's ``step`` becomes 1, saved and
-# live, so a run that saves before it trains takes its first real step as
-# Adam's step 2 (with that step's bias correction).
+# finds Adam without state and creates it with one step of zero gradients at
+# learning rate zero. The moments stay zero (not with L2 ``weight_decay``,
+# which Adam adds to the gradient), but Adam's ``step`` becomes 1, saved and
+# live: a run that saves before it trains takes its first step as step 2.
 
 
 def adam_before_training():
@@ -215,9 +213,8 @@ def save_in_three_phases(checkpoint_root, attempts=3):
 
 
 # %%
-# The page times each phase on every rank and weighs each staged copy: the
-# memory cost of ``async_save``, one copy of the rank's share of the
-# checkpoint per save in flight, held until its upload completes.
+# The page times each phase on every rank and weighs each staged copy: what
+# ``async_save`` costs in memory, per save in flight, until its upload ends.
 
 with (
     timing.spans(AppState, "state_dict") as collected,
@@ -255,17 +252,17 @@ figures.medians(["phase, and what blocks the loop", "ms (median of 3, slowest ra
 #   collectives from a background thread while the loop runs FSDP's: on one
 #   group they can interleave differently on different ranks and deadlock. It
 #   also gives ``async_save`` the CPU backend it needs when training uses NCCL.
-# * **At most one save in flight.** A second ``async_save`` does not queue
-#   behind the first: both uploads run, their collectives can match each
-#   other's and hang, and each holds its own staged copy.
+# * **At most one save in flight.** A second ``async_save`` does not queue:
+#   both uploads run, their collectives can match each other's and hang.
 # * **Wait for the last save before the group is destroyed**: its upload ends
 #   with collectives on it, before rank 0 writes ``.metadata``; without them
 #   the checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`).
 #
 # It also saves after the first step and waits for it: a storage problem shows
-# up at once, and one-time costs are paid early. ``async_save`` returns the
-# upload's ``Future`` (with asynchronous staging, an ``AsyncSaveResponse``:
-# the :ref:`next recipe <sphx_glr_recipes_default_stager_recipe.py>`).
+# up at once, one-time costs are paid early, and a checkpoint process (below)
+# exists on every rank. ``async_save`` returns the upload's ``Future`` (an
+# ``AsyncSaveResponse`` with asynchronous staging: the :ref:`next recipe
+# <sphx_glr_recipes_default_stager_recipe.py>`).
 
 NUM_STEPS, SAVE_EVERY = 11, 3
 LAST_SAVE = NUM_STEPS // SAVE_EVERY * SAVE_EVERY  # the steps after it keep training
@@ -382,7 +379,10 @@ figures.Table(
 # * **What it costs**: a process per rank with its own torch (and, on a GPU
 #   machine, a CUDA context), started by the first save, whose upload takes
 #   seconds longer. It is spawned: keep a script's top level under
-#   ``if __name__ == "__main__":``.
+#   ``if __name__ == "__main__":``. **Await that first save on every rank**
+#   before the next one: a save that finds no process yet broadcasts the new
+#   group's address, and a rank whose process already exists skips that
+#   broadcast; the ranks then hang (a rule for correctness, not a cost).
 # * **Its own process group**, a gloo world that the processes build on the
 #   first call from the ``process_group`` you pass, which is not forwarded
 #   to the save (torch 2.13).

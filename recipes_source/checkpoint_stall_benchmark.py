@@ -7,10 +7,9 @@ waits for it (the *stall*), the speed the steps lose while a checkpoint is
 written in the background, and the host memory that holds a copy of the state.
 This recipe trains the same model with a checkpoint every few steps, once per
 saving strategy, and measures all of it next to the physical limits of the
-machine that built this page: how fast it copies memory and how fast it writes
-to disk. Every number is a median over rounds in which the strategies take
-turns, shown with its spread; a difference smaller than its spread is reported
-as noise, never as advice.
+machine that built this page: how fast it copies memory and writes to disk.
+Every number is a median over rounds in which the strategies take turns, with
+its spread; a difference smaller than its spread is noise, never advice.
 
 .. grid:: 2
 
@@ -30,7 +29,7 @@ as noise, never as advice.
        :class-card: card-prerequisites
 
        * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11.0, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_async_save_recipe.py` and
          :ref:`sphx_glr_recipes_default_stager_recipe.py`
@@ -286,8 +285,9 @@ def train_step(model, optimizer, batch, staging):
 # Every run builds its model afresh and takes one step first: Adam creates its
 # state on its first step, and every checkpoint must hold the same tensors. The
 # first save of a run is not timed with the others: it starts what a strategy
-# starts once (its host buffer, the writer process). The loop waits until it is
-# durable, and keeps its time as ``first checkpoint``.
+# starts once (its host buffer, the writer process). Every rank waits until it
+# is durable (for the writer process, a rule: see
+# :ref:`sphx_glr_recipes_async_save_recipe.py`), and keeps it as ``first checkpoint``.
 
 
 def set_up_run(threads):

@@ -254,8 +254,9 @@ def load_on_every_rank(folder):
 
 # %%
 # With ``broadcast_from_rank0=True``, only rank 0 reads the file; the other
-# ranks pass an empty dict and receive their shards from rank 0, one tensor at
-# a time. That only saves memory if those ranks never build the full model
+# ranks pass an empty dict. Rank 0 broadcasts each *full* tensor, one at a
+# time, and every rank keeps its shard of it: the peak is one full tensor per
+# rank, plus rank 0's whole dict. That only saves memory if those ranks never build the full model
 # either: build it on the ``meta`` device (shapes, no storage) from the
 # folder's ``config.json``, shard it, then allocate just the local shards
 # with ``to_empty``. Buffers that are computed, not loaded (the rotary

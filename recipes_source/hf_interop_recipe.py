@@ -135,7 +135,8 @@ print(
 #   ranks must write to one file system that rank 0 can read (on several
 #   machines, a shared one);
 # * ``fqn_to_index_mapping``: which file each tensor goes to, numbered from 1.
-#   It must name every tensor, and be the same on every rank.
+#   Rank 0 plans for every rank and hands each its own mapping, so it must name
+#   every tensor of every rank: build it from all names, the same on each rank.
 #
 # DCP writes no ``config.json``: rank 0 writes it with the config's
 # ``save_pretrained``. A bfloat16 export is a cast of each sharded tensor, so
@@ -222,8 +223,9 @@ with proofs.state_given_to(dcp, "save") as saved:
 # ---------------------
 # The consolidated files and the index are what ``from_pretrained``, the hub
 # and serving engines read. ``sharded/`` still holds each rank's pieces
-# (``shard-0000r-model-0000k-of-0000n.safetensors``): the same bytes again,
-# so delete it before you publish the folder.
+# (``shard-0000s-model-0000k-of-0000n.safetensors``, ``s`` counted from 1:
+# rank 0 writes ``shard-00001-...``): the same bytes again, so delete it
+# before you publish the folder.
 
 
 def list_files(folder):
@@ -290,8 +292,9 @@ results.claim(
 # Open it with ``from_pretrained``
 # --------------------------------
 # A plain process, with no process group and no DCP: the way the model is
-# used after training. Its logits on the fixed batch are the sharded model's,
-# bit for bit (from GPU ranks to this CPU process, within float32 rounding).
+# used after training. Its logits on the fixed batch are the sharded model's:
+# bit for bit on CPU with the same thread count (one, in the ranks and here);
+# from GPU ranks to this CPU process, within 1e-4 (other float32 kernels).
 
 
 def open_with_transformers(folder):

@@ -27,7 +27,7 @@ resume on another number of ranks: :ref:`sphx_glr_recipes_torchrun_restart_recip
        :class-card: card-prerequisites
 
        * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``); not
-         torch 2.11.0, whose ``DefaultStager`` cannot be reused
+         torch 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
          (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: an overlapped save

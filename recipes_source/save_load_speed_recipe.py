@@ -4,7 +4,7 @@ Fast saves and loads: the knobs, measured
 
 "Why is my save so slow?" has an answer only next to the machine's own limits.
 This recipe measures how fast this machine writes, syncs and reads a
-checkpoint's bytes the way DCP does, then times ``dcp.save`` and ``dcp.load``
+checkpoint's raw bytes as DCP's files lay them out, then times ``dcp.save`` and ``dcp.load``
 with every ``FileSystemWriter`` and planner knob, each as a fraction of those
 limits; it saves a replicated (DDP) model with and without deduplication to
 the lowest rank, and follows host memory over 20 saves with three strategies.
@@ -24,7 +24,7 @@ the lowest rank, and follows host memory over 20 saves with three strategies.
        :class-card: card-prerequisites
 
        * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11.0, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py` and
          :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`
@@ -114,17 +114,18 @@ print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1
 
 
 # %%
-# The limits: write, sync and read the way DCP does
-# -------------------------------------------------
+# The limits: write, sync and read the checkpoint's bytes
+# -------------------------------------------------------
 # ``FileSystemWriter(thread_count=N)`` splits a rank's tensors into N buckets
-# of about equal size; each of N threads writes one file straight from the
-# tensors' memory and calls ``fsync``. The page's probe (``page_tools.disk``,
-# on :doc:`/measuring`) does the same with the model's own shards and no copy
-# in between, then reads the files back from storage (dropped from the page
-# cache) and from the page cache; it also times ``torch.save`` and
-# ``torch.load`` of every tensor, which DCP does besides the disk. A limit is
-# the best that any repeat reached. Where reads "from storage" are within
-# noise of reads from the page cache, the host probably caches this disk.
+# of about equal size; each of N threads writes one file and calls ``fsync``.
+# The page's probe (``page_tools.disk``, on :doc:`/measuring`) writes the same
+# buckets of the model's own shards as raw bytes, with no copy in between, then
+# reads the files back from storage (dropped from the page cache) and from the
+# page cache. DCP also runs ``torch.save`` on each tensor: the probe is an
+# upper bound, not the way DCP writes. It also times ``torch.save`` and
+# ``torch.load`` of every tensor, apart. A limit is the best any repeat
+# reached. Where reads "from storage" are within noise of reads from the page
+# cache, the host probably caches this disk.
 
 limit_runs = run_on_ranks(
     disk.measure_limits, lambda: build_sharded_model(0)[0], f"{WORK_DIR}/limits", (1, 2, 4), REPEATS

@@ -27,7 +27,7 @@ kind, and proves the fix, one synchronisation, bit-exact.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, but not 2.11.0, whose ``DefaultStager`` cannot be reused
+       * PyTorch 2.9 or later, but not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
          (:ref:`reused-stager-keyerror`)
        * One GPU per rank (NCCL, plus gloo for checkpointing) for the race; on
          CPU (gloo) there is no stream, and the page shows no race

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.constants
+import torch.distributed.distributed_c10d as c10d
 from recipe_runner import ROOT, RecipeRunner, assert_ok
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -148,6 +149,9 @@ def test_directories_that_differ_and_replicated_tensors_that_hide_it(run):
 def test_the_stated_timeouts_are_torch_defaults():
     assert torch.distributed.constants.default_pg_timeout == datetime.timedelta(minutes=30)
     assert "gloo's default timeout is 30 minutes" in prose()
+    # A group of both backends is not ``backend="nccl"``: both halves get gloo's default.
+    mixed = torch.distributed.Backend("cpu:gloo,cuda:nccl")
+    assert c10d._get_default_timeout(mixed) == datetime.timedelta(minutes=30)
 
 
 def test_pattern_helper():
