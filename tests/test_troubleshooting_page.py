@@ -34,6 +34,7 @@ QUOTED = {
     "overwrite-warning",
     "differs-load-rank0-path",
     "differs-load-own-path",
+    "missing-key",
 }
 INLINE_QUOTED = {"default-stager-on-cpu", "cached-stager-on-cpu", "reused-stager-torch-2.11"}
 

@@ -218,6 +218,17 @@ def reused_stager_on_torch_2_11():
         DefaultStager._stage = stage
 
 
+def missing_key():
+    """A state dict with a key the checkpoint does not have: every rank raises at planning."""
+    path = os.path.join(WORK_DIR, "missing-key")
+    dcp.save({"model.weight": torch.zeros(4)}, checkpoint_id=path)
+    wanted = {"model.weight": torch.zeros(4), "model.head.weight": torch.zeros(4)}
+    try:
+        dcp.load(wanted, checkpoint_id=path)
+    except CheckpointException as error:
+        quote("missing-key", error)
+
+
 def every_failure():
     logging.disable(logging.WARNING)  # DCP logs each failed metadata read with its traceback
     cpu_backend_missing()
@@ -228,6 +239,7 @@ def every_failure():
     directory_differs()
     replicated_directory_differs()
     reused_stager_on_torch_2_11()
+    missing_key()
 
 
 run_on_ranks(every_failure)
