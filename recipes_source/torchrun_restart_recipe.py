@@ -282,7 +282,7 @@ def train(checkpoint_root, num_steps=NUM_STEPS):
 
 # %%
 # The loop as a torchrun script, restarted
-# ---------------------------------------
+# ----------------------------------------
 # Under ``torchrun --max-restarts``, when a worker dies its agent stops the
 # others and all agents meet again (a new rendezvous round), then start their
 # workers again. By default the agents share one store, which outlives the
@@ -442,9 +442,9 @@ proofs.same_state(
 # %%
 # Restarts on one node and across nodes
 # -------------------------------------
-# How often does a restart fail? While the cells above ran, three minimal jobs
-# ran under torch's elastic agent as ``torchrun --max-restarts=3`` runs them
-# (from a fork server: a restart takes a moment). In each, two workers create
+# While the cells above ran, three minimal jobs ran under torch's elastic
+# agent as ``torchrun --max-restarts=3`` runs them (from a fork server: a
+# restart takes a moment). In each, two workers create
 # the group with a plain ``dist.init_process_group("gloo")``; after the first
 # barrier of every attempt but the last, the last worker is killed while the
 # other stays busy, out of any collective, so that every restart has to form
@@ -454,18 +454,20 @@ proofs.same_state(
 # * ``own-store``: the same, started with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``;
 # * ``own-store-2-agents``: that, with two agents (two "nodes" of one worker
 #   on this machine, a c10d rendezvous on a loopback port): node 1's worker is
-#   killed, and node 0's agent restarts its busy worker without counting.
+#   killed, and node 0's agent restarts its busy worker without counting (its
+#   restart count stays 0: an ``attempt-N`` prefix would differ across nodes).
 #
-# The plain job's counts vary (a race; an attempt without a group after 15 s
-# counts as hung). ``tools/restart_trials.py`` counts the same with real
-# ``torchrun`` over many restarts, and the attempt prefix failing across nodes.
+# The plain job's counts vary (a race; 15 s without a group count as hung).
+# ``tools/restart_trials.py`` counts these and the attempt prefix with real
+# ``torchrun``, over many restarts.
 
 counts = results.record("restart-probe", restarts.finish(restart_probe))
 for mode in ("own-store", "own-store-2-agents"):
     results.claim(
         f"{mode}-restarts",
         counts[mode]["formed_after_restart"] == 3 and counts[mode]["exit"] == 0,
-        f"{mode}: formed the group at {counts[mode]['formed_after_restart']} of 3 restarts",
+        f"{mode}: formed at {counts[mode]['formed_after_restart']} of 3 restarts, "
+        f"each agent's restart count {counts[mode]['restart_counts']}",
         **counts[mode],
     )
 figures.Table(
@@ -522,14 +524,12 @@ results.claim(
 )
 
 # %%
-# Why not per-rank positions? The resume page's loop saves each rank's
-# ``StatefulDataLoader`` state. torchdata 0.11 records there how many samples
-# that rank's loader yielded (``samples_yielded``), and on load skips that many
-# samples of the rank's share of the order, whatever the number of ranks. Rank
-# 0 of 2, after 30 batches of 6, saves 180; loaded as rank 0 of 3, it skips 180
-# of its share, every third sample of the order: it starts at global position
-# 540, not 360. Rank 2 has no state and starts from the beginning. The resume
-# page's loader, on 2 ranks to step 30 and then on 3:
+# Why not per-rank positions? The resume page saves each rank's
+# ``StatefulDataLoader`` state: torchdata 0.11 records how many samples that
+# rank's loader yielded (``samples_yielded``) and on load skips that many of
+# the rank's share, whatever the number of ranks. Rank 0 of 2 saves 180 after
+# 30 batches of 6; as rank 0 of 3 it skips 180 of every third sample: it starts
+# at global position 540, not 360. Rank 2 has no state and starts over:
 
 
 def torchdata_loader(rank, world_size):

@@ -2098,7 +2098,8 @@ def test_the_restart_probe_counts_what_its_jobs_printed(tmp_path):
                   "Gloo connectFullMesh failed with y\nprobe: no group after 15 s\n"
                   "probe: the group formed after 3 kills\n"],
         "own-store-2-agents": ["".join(f"probe: the group formed after {k} kills\n"
-                                       for k in range(4)), "probe: not stopped after 15 s\n"],
+                                       for k in range(4)) + "probe: agent 0 restart count 0\n",
+                               "probe: agent 1 restart count 2\nprobe: not stopped after 15 s\n"],
     }  # fmt: skip
     jobs = {}
     for mode, texts in logs.items():
@@ -2117,6 +2118,7 @@ def test_the_restart_probe_counts_what_its_jobs_printed(tmp_path):
     assert counts["plain"] | expected == counts["plain"]
     two = counts["own-store-2-agents"]
     assert (two["agents"], two["formed_after_restart"], two["hung"], two["exit"]) == (2, 3, 1, 0)
+    assert two["restart_counts"] == [0, 2] and counts["plain"]["restart_counts"] == [None]
     assert not tmp_path.exists(), "the probe's logs, kill folders and folder are removed"
 
 

@@ -98,6 +98,10 @@ def test_the_restart_probe_counts_each_job(results):
     for mode in ("own-store", "own-store-2-agents"):
         assert counts[mode]["formed_after_restart"] == 3 and counts[mode]["exit"] == 0, mode
         assert counts[mode]["connect_failed"] == counts[mode]["hung"] == 0, mode
+    assert counts["own-store"]["restart_counts"] == [3]
+    # node 0's agent restarted its healthy worker without counting: a prefix of the count
+    # would differ across the two agents
+    assert counts["own-store-2-agents"]["restart_counts"] == [0, 3]
 
 
 def test_download_computes_what_the_page_shows(recipe_runner):

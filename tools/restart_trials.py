@@ -126,8 +126,11 @@ def run_job(way: str, nodes: int, index: int, opts: argparse.Namespace, out: Pat
     for node, command in enumerate(agent_commands(nodes, opts.restarts, args)):
         log = open(trial_dir / f"agent{node}.log", "w")  # noqa: SIM115
         logs.append(log)
-        agents.append(subprocess.Popen(command, env=dict(env, TRIAL_NODE=str(node)), stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        node_env = dict(env, TRIAL_NODE=str(node))
+        agent = subprocess.Popen(
+            command, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        agents.append(agent)
     deadline, hit_deadline = start + opts.job_timeout, False
     for agent in agents:
         try:

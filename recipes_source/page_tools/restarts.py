@@ -3,7 +3,7 @@
 ``start(restarts)`` runs three minimal jobs in the background, each under torch's elastic
 agent as ``torchrun --max-restarts=<restarts>`` runs it, and ``finish(probe)`` waits for them
 and counts. In every formed group, while kills remain, rank 0 decides that this attempt
-loses a worker: the last worker kills itself with SIGKILL, the others stay alive and out of
+loses a worker: the last agent's last worker kills itself with SIGKILL, the others stay out of
 any collective (busy, as a rank in a long step is, or one stuck in an NCCL collective), so
 that every restart has to form the group again. The jobs:
 
@@ -15,7 +15,8 @@ that every restart has to form the group again. The jobs:
 * ``own-store-2-agents``: the same variable, two agents (two "nodes" on this machine, one
   worker each) meeting at a c10d rendezvous on a loopback port. Node 1's worker is killed;
   node 0's agent sees its worker healthy and restarts it without counting a retry, so the
-  agents' ``TORCHELASTIC_RESTART_COUNT`` differ from the first restart on.
+  agents' ``TORCHELASTIC_RESTART_COUNT`` differ from the first restart on (``finish``
+  reports each agent's highest count).
 
 Whether a ``plain`` restart finds a stale address is a race: the counts are what one run
 measured. ``tools/restart_trials.py`` runs the same comparison, with real ``torchrun``
@@ -114,7 +115,7 @@ def _launch(restarts: int, agents: int, node: int, endpoint: str, kills: str) ->
         start_method="forkserver",
     )
     try:
-        elastic_launch(config, _worker)(restarts, kills)
+        elastic_launch(config, _worker)(restarts, kills, node)
     except ChildFailedError:
         sys.exit(1)  # as torchrun exits when the last attempt failed too
 
@@ -135,6 +136,7 @@ def finish(probe: Probe, timeout_s: float = 150.0) -> dict:
             with open(log) as out:
                 output += out.read()
         formed = [int(kills) for kills in FORMED.findall(output)]
+        seen = re.findall(r"probe: agent (\d+) restart count (\d+)", output)
         counts[mode] = {
             "agents": len(processes),
             "restarts": probe.restarts,
@@ -142,6 +144,11 @@ def finish(probe: Probe, timeout_s: float = 150.0) -> dict:
             "connect_failed": output.count("Gloo connectFullMesh failed"),
             "hung": len(re.findall(r"probe: no group after|probe: not stopped after", output)),
             "exit": max(abs(process.returncode) for process in processes),
+            # per agent, the highest TORCHELASTIC_RESTART_COUNT its workers were given
+            "restart_counts": [
+                max((int(c) for n, c in seen if int(n) == node), default=None)
+                for node in range(len(processes))
+            ],
             "seconds": round(time.monotonic() - started, 1),
         }
     for _, logs, _ in probe.jobs.values():
@@ -162,12 +169,14 @@ def _hung(what: str) -> None:
     os._exit(1)
 
 
-def _worker(restarts: int, kills: str) -> None:
+def _worker(restarts: int, kills: str, node: int) -> None:
     """One worker of a probe job, forked by the elastic agent's fork server."""
     import torch
     import torch.distributed as dist
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"probe: agent {node} restart count {count}", flush=True)
     watchdog = threading.Timer(HANG_S, _hung, ("no group",))
     watchdog.daemon = True
     watchdog.start()
@@ -181,7 +190,8 @@ def _worker(restarts: int, kills: str) -> None:
         kill[0] = done < restarts
     dist.broadcast(kill, src=0)
     if kill.item():
-        if rank == world_size - 1:
+        last_agent = node == int(os.environ["GROUP_WORLD_SIZE"]) - 1
+        if last_agent and os.environ["LOCAL_RANK"] == str(int(os.environ["LOCAL_WORLD_SIZE"]) - 1):
             open(os.path.join(kills, f"kill-{time.monotonic_ns()}"), "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(HANG_S)  # busy: out of any collective until an agent stops this worker
