@@ -17,7 +17,7 @@ WHEELS      := $(wildcard /opt/wheels)
 SYSTEM_PATH := $(PATH)
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv html html-noplot test lint pytest serve bench stress gpu-check clean browser-deps
+.PHONY: help venv html html-noplot test lint pytest serve bench stress restart-trials gpu-check clean browser-deps
 
 help:
 	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
@@ -27,6 +27,7 @@ help:
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
 	@echo "make bench        the benchmark recipes at full size (about 1 GB), into $(BUILD)/bench"
 	@echo "make stress       every page's script and notebook at 3 ranks, the HF page 30 times"
+	@echo "make restart-trials  torchrun restarts on 1 and 2 agents, three ways to form the group"
 	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"
 	@echo "make clean        remove build output"
 	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
@@ -82,6 +83,12 @@ bench: $(READY)
 stress: $(READY)
 	@test -f $(BUILD)/html/index.html || $(MAKE) html-noplot
 	$(PY) tools/stress.py $(STRESS_ARGS)
+
+# Not part of `make test` (about 10 minutes here): real torchrun jobs, one agent or two, a worker
+# killed at every restart, counted per way of creating the group. RESTART_TRIALS_ARGS passes
+# options (--nodes 2 --ways plain-own-store --survivor frozen --jobs 10).
+restart-trials: $(READY)
+	$(PY) tools/restart_trials.py $(RESTART_TRIALS_ARGS)
 
 # Every recipe as a plain script, one rank per GPU (DCP_RECIPES_WORLD_SIZE=N for fewer), into
 # $(BUILD)/gpu-check/. It needs torch, not Sphinx, and never builds the venv: it runs with PY

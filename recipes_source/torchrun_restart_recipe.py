@@ -5,13 +5,13 @@ Restarts under torchrun, and on another number of ranks
 :ref:`sphx_glr_recipes_resume_recipe.py` resumes a job launched again on as
 many ranks as before. Two other ways a job comes back need one precaution
 each. ``torchrun --max-restarts`` starts the workers again by itself, and
-their process group must not pick up the previous attempt's addresses from
-torchrun's store. A job that comes back on more or fewer ranks gets its model
-and optimizer resharded by DCP, but per-rank data positions no longer fit: its
-data position must not depend on the ranks. This page's loop keeps only what
-these two need (model, optimizer, step, a global sample index, ``dcp.save``):
-it kills a worker under ``torchrun --max-restarts=1``, then resumes on 2, 3 and
-1 ranks, and checks each resume bit for bit.
+their process group must form on a store without the earlier attempts' keys,
+on one node and across nodes. A job that comes back on more or fewer ranks
+gets its model and optimizer resharded by DCP, but per-rank data positions no
+longer fit: its data position must not depend on the ranks. This page's loop
+keeps only what these two need (model, optimizer, step, a global sample index,
+``dcp.save``): it kills a worker under ``torchrun --max-restarts=1``, then
+resumes on 2, 3 and 1 ranks, and checks each resume bit for bit.
 
 .. grid:: 2
 
@@ -19,7 +19,7 @@ it kills a worker under ``torchrun --max-restarts=1``, then resumes on 2, 3 and
        :class-card: card-prerequisites
 
        * Restart under ``torchrun --max-restarts`` with a process group that
-         forms again, and what a plain ``init_process_group`` does there
+         forms again on one node and across nodes, and what fails there
        * Resume on more or fewer ranks: DCP reshards model and optimizer
        * A data position that fits any number of ranks: the global sample
          index, with a fixed global batch
@@ -39,11 +39,14 @@ it kills a worker under ``torchrun --max-restarts=1``, then resumes on 2, 3 and
 # .. code-block:: python
 #
 #    # Restarts and other numbers of ranks:
-#    # 1. Under torchrun --max-restarts, create the process group on torchrun's
-#    #    store under a prefix of TORCHELASTIC_RESTART_COUNT: the store outlives
-#    #    the workers, with every earlier attempt's addresses in it.
-#    # 2. Keep the global batch fixed, and save a global sample index: how many
-#    #    samples of one global order all ranks together have trained on.
+#    # 1. Under torchrun --max-restarts, start torchrun with
+#    #    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and create the group with a plain
+#    #    init_process_group(): each restart, on every node, gets a new store
+#    #    that rank 0 serves. The agents' shared store keeps every earlier
+#    #    attempt's keys, and TORCHELASTIC_RESTART_COUNT differs across nodes.
+#    # 2. Keep the global batch fixed (a multiple of the number of ranks), and
+#    #    save a global sample index: how many samples of one global order all
+#    #    ranks together have trained on.
 #    # 3. On another number of ranks, start the data there: per-rank positions
 #    #    (and per-rank RNG streams) do not fit another number of ranks.
 
@@ -52,12 +55,14 @@ it kills a worker under ``torchrun --max-restarts=1``, then resumes on 2, 3 and
 # -----
 
 import datetime
+import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -69,7 +74,8 @@ from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 print(f"torch {torch.__version__}")
 
@@ -147,7 +153,9 @@ print(ToyModel())
 # samples of one global order, each rank ``BATCH / world_size`` of them. The
 # data position is then one number that does not depend on the ranks: the
 # global sample index, how many samples of that order all ranks have trained
-# on. The data set also yields each sample's index, to count them.
+# on. The data set also yields each sample's index, to count them. Ranks that
+# do not divide ``BATCH`` are refused: on 8 ranks of 1 sample, 8 samples a step
+# would train, 12 be counted, and a resume would skip the other 4.
 
 NUM_SAMPLES, DATA_SEED, SAVE_EVERY = 720, 7, 10
 NUM_STEPS = NUM_SAMPLES // BATCH  # one pass: 60 steps
@@ -156,6 +164,12 @@ NUM_STEPS = NUM_SAMPLES // BATCH  # one pass: 60 steps
 def make_dataset():
     inputs = torch.randn(NUM_SAMPLES, WIDTH, generator=torch.Generator().manual_seed(DATA_SEED))
     return TensorDataset(inputs, inputs.roll(1, dims=1).sin(), torch.arange(NUM_SAMPLES))
+
+
+def per_rank_batch(world_size):
+    if BATCH % world_size:
+        raise ValueError(f"{world_size} ranks cannot share a global batch of {BATCH} evenly")
+    return BATCH // world_size
 
 
 class GlobalOrderSampler(Sampler):
@@ -171,6 +185,26 @@ class GlobalOrderSampler(Sampler):
 
     def __len__(self):
         return len(self.order[self.start + self.rank :: self.world_size])
+
+
+# %%
+# On 2 and 3 ranks each rank takes 6 and 4 samples a step; 8 ranks are refused:
+
+for world_size in (2, 3, 8):
+    try:
+        print(f"{world_size} ranks: {per_rank_batch(world_size)} samples each a step")
+    except ValueError as error:
+        print(f"{world_size} ranks: ValueError: {error}")
+        refused = error
+
+# %%
+
+results.claim(
+    "uneven-world-size-refused",
+    str(refused) == "8 ranks cannot share a global batch of 12 evenly",
+    f"8 ranks refused: {refused}",
+    error=str(refused),
+)
 
 
 # %%
@@ -214,6 +248,7 @@ def newest_complete_step(checkpoint_root):
 
 def train(checkpoint_root, num_steps=NUM_STEPS):
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    batch_size = per_rank_batch(world_size)  # before any collective: every rank raises
     model, optimizer = build_sharded_model(seed=0)
     progress = Progress()
     state = {"app": AppState(model, optimizer), "progress": progress}
@@ -226,7 +261,7 @@ def train(checkpoint_root, num_steps=NUM_STEPS):
             print(f"now {world_size}: data from global sample {progress.samples_seen}")
     progress.world_size = world_size
     sampler = GlobalOrderSampler(NUM_SAMPLES, rank, world_size, start=progress.samples_seen)
-    data = iter(DataLoader(make_dataset(), batch_size=BATCH // world_size, sampler=sampler))
+    data = iter(DataLoader(make_dataset(), batch_size=batch_size, sampler=sampler))
     device, losses, trained_on = device_for_this_rank(), {}, []
     for step in range(progress.step + 1, num_steps + 1):
         inputs, targets, indices = next(data)
@@ -246,44 +281,48 @@ def train(checkpoint_root, num_steps=NUM_STEPS):
 
 
 # %%
-# The loop as a torchrun script that survives restarts
-# ----------------------------------------------------
-# Under ``torchrun --max-restarts=1``, when a worker dies the agent stops the
-# others and starts all of them again, with ``TORCHELASTIC_RESTART_COUNT`` one
-# higher. The agent's store (at ``MASTER_ADDR:MASTER_PORT``) outlives the
-# workers, and with a plain ``dist.init_process_group("gloo")`` the restarted
-# workers find the previous attempt's addresses in it: gloo then fails with
-# ``Connection refused`` now and then (counted below). Creating the group on
-# the same store under a prefix of the attempt gives every attempt clean keys
-# (rule 1; pytorch issue #167288 is the same shape with NCCL).
+# The loop as a torchrun script, restarted
+# ----------------------------------------
+# Under ``torchrun --max-restarts``, when a worker dies its agent stops the
+# others and all agents meet again (a new rendezvous round), then start their
+# workers again. By default the agents share one store, which outlives the
+# workers: a plain ``dist.init_process_group()`` finds the previous attempt's
+# keys in it, and gloo fails with ``Connection refused`` now and then (counted
+# below). A prefix of ``TORCHELASTIC_RESTART_COUNT`` holds on one node only:
+# the count is per agent, and an agent whose own workers were healthy (busy, or
+# stuck in a collective) restarts them without counting ("membership changes
+# do not count as retries", ``elastic/agent/server/api.py``), so across nodes
+# the ranks look for each other under different prefixes until the group
+# times out. Started with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, every round
+# publishes a new ``MASTER_PORT`` (a free port on node 0, picked, not held) to
+# every node, where worker rank 0 serves a new store (``env://``): nothing of
+# an earlier attempt is in it (rule 1).
 
-TIMEOUT = datetime.timedelta(seconds=120)
+TIMEOUT = datetime.timedelta(seconds=120)  # this page's choice, not torch's default
 
 
-def init_process_group_for_this_attempt():
+def init_process_group_for_restarts():
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError("start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore(address, port, is_master=False, timeout=TIMEOUT)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-        store=dist.PrefixStore(f"attempt-{attempt}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=TIMEOUT,
-    )
-    return attempt
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=TIMEOUT)  # env://: MASTER_ADDR, MASTER_PORT
+    return os.environ["TORCHELASTIC_RESTART_COUNT"]  # this agent's count: for the log
 
 
 # %%
-# ``main()`` is what ``torchrun`` runs on every worker: the group for this
-# attempt, the loop (from the newest complete checkpoint), and the teardown.
-# Save it as ``train.py`` with the functions above and start it with:
+# ``main()`` is what ``torchrun`` runs on every worker: the group, the loop
+# (from the newest complete checkpoint), and the teardown. Save it as
+# ``train.py`` with the functions above and start it on one node, or on every
+# node of a job (the same ``--rdzv-endpoint`` everywhere), with:
 #
 # .. code-block:: bash
 #
+#    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 #    torchrun --nproc-per-node=2 --max-restarts=1 train.py
+#    torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=3 \
+#        --rdzv-backend=c10d --rdzv-endpoint=node0.example:29400 train.py
 #
 # ``torchrun`` there replaces ``run_on_ranks``, and the checkpoint root is a
 # directory every worker sees (here, one under ``shared_tempdir``). Further
@@ -294,7 +333,7 @@ CHECKPOINTS_ENV = "TORCHRUN_RESTART_RECIPE_CHECKPOINTS"
 
 
 def main(checkpoint_root):
-    attempt = init_process_group_for_this_attempt()
+    attempt = init_process_group_for_restarts()
     rank = dist.get_rank()
     print(f"[rank{rank}] attempt {attempt}", flush=True)
     result = train(checkpoint_root)
@@ -349,6 +388,7 @@ def run_torchrun(checkpoint_root, nproc):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={nproc}", "--max-restarts=1", script]
     env = dict(os.environ, **{CHECKPOINTS_ENV: checkpoint_root}, OMP_NUM_THREADS="1")
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # rule 1
     with open(checkpoint_root + ".log", "w") as log:  # a new session: on a timeout, kill all
         job = subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True)
     try:
@@ -400,40 +440,45 @@ proofs.same_state(
 )
 
 # %%
-# Plain ``init_process_group`` against the prefixed store
-# -------------------------------------------------------
-# How often does a restart fail? While the cells above ran, two minimal jobs
-# ran under torch's elastic agent as ``torchrun --max-restarts=3`` runs them
-# (from a fork server: a restart takes a moment): two ranks create the group,
-# rank 1 is killed after the first barrier of every attempt but the last, and
-# every restart has to form the group again. One job creates it with a plain
-# ``dist.init_process_group("gloo")``, the other on the prefixed store, as
-# ``init_process_group_for_this_attempt()`` does:
+# Restarts on one node and across nodes
+# -------------------------------------
+# While the cells above ran, three minimal jobs ran under torch's elastic
+# agent as ``torchrun --max-restarts=3`` runs them (from a fork server: a
+# restart takes a moment). In each, two workers create
+# the group with a plain ``dist.init_process_group("gloo")``; after the first
+# barrier of every attempt but the last, the last worker is killed while the
+# other stays busy, out of any collective, so that every restart has to form
+# the group again:
 #
-# .. code-block:: python
+# * ``plain``: one agent, two workers, on the agents' shared store;
+# * ``own-store``: the same, started with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``;
+# * ``own-store-2-agents``: that, with two agents (two "nodes" of one worker
+#   on this machine, a c10d rendezvous on a loopback port): node 1's worker is
+#   killed, and node 0's agent restarts its busy worker without counting (its
+#   restart count stays 0: an ``attempt-N`` prefix would differ across nodes).
 #
-#    dist.init_process_group("gloo")        # env://: the agent's store, keys of every attempt
-#    init_process_group_for_this_attempt()  # the same store, under "attempt-N/"
-#
-# The plain job's counts vary from build to build (it is a race; an attempt
-# without a group after 15 s counts as hung); the prefixed one forms the group
-# at every restart.
+# The plain job's counts vary (a race; 15 s without a group count as hung).
+# ``tools/restart_trials.py`` counts these and the attempt prefix with real
+# ``torchrun``, over many restarts.
 
 counts = results.record("restart-probe", restarts.finish(restart_probe))
-results.claim(
-    "prefixed-store-restarts",
-    counts["prefixed"]["formed_after_restart"] == 3 and counts["prefixed"]["exit"] == 0,
-    f"prefixed store: formed the group at {counts['prefixed']['formed_after_restart']} of 3",
-    **counts["prefixed"],
-)
+for mode in ("own-store", "own-store-2-agents"):
+    results.claim(
+        f"{mode}-restarts",
+        counts[mode]["formed_after_restart"] == 3 and counts[mode]["exit"] == 0,
+        f"{mode}: formed at {counts[mode]['formed_after_restart']} of 3 restarts, "
+        f"each agent's restart count {counts[mode]['restart_counts']}",
+        **counts[mode],
+    )
 figures.Table(
-    ["group created", "restarts", "formed again", "connect failed", "hung", "job exit"],
+    ["job", "agents", "restarts", "formed again", "connect failed", "hung", "exit"],
     [
         [mode]
-        + [c[k] for k in ("restarts", "formed_after_restart", "connect_failed", "hung", "exit")]
+        + [c[k] for k in ("agents", "restarts", "formed_after_restart", "connect_failed")]
+        + [c["hung"], c["exit"]]
         for mode, c in counts.items()
     ],
-    caption="torchrun --max-restarts=3: plain init_process_group against the prefixed store",
+    caption="torchrun --max-restarts=3, a plain init_process_group: the agents' store or a new one",
 )
 
 # %%
@@ -479,39 +524,62 @@ results.claim(
 )
 
 # %%
-# Why not per-rank positions? The resume page's loop saves one loader position
-# per rank, ``rank0`` and ``rank1``. On 3 ranks, rank 2 has none and would
-# start from the beginning. Ranks 0 and 1 would fast-forward 30 batches of
-# their new, smaller share of the order, which lands where it should only
-# because the global batch is fixed (with a fixed per-rank batch it would not).
-# What each way trains on in steps 31 to 40:
+# Why not per-rank positions? The resume page saves each rank's
+# ``StatefulDataLoader`` state: torchdata 0.11 records how many samples that
+# rank's loader yielded (``samples_yielded``) and on load skips that many of
+# the rank's share, whatever the number of ranks. Rank 0 of 2 saves 180 after
+# 30 batches of 6; as rank 0 of 3 it skips 180 of every third sample: it starts
+# at global position 540, not 360. Rank 2 has no state and starts over:
 
 
-def samples_trained(world_size, steps, rank_starts):
-    """The samples ``world_size`` ranks train on in ``steps`` steps, each from its own start."""
-    seen = []
-    for rank in range(world_size):
-        share = GlobalOrderSampler(NUM_SAMPLES, rank, world_size, rank_starts[rank])
-        seen += list(share)[: steps * BATCH // world_size]
-    return seen
+def torchdata_loader(rank, world_size):
+    dataset = make_dataset()
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=DATA_SEED)
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in 2.13
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, batch_size=BATCH // world_size, sampler=sampler)
 
 
-done = 30 * BATCH  # samples trained on by step 30
-before, again = set(GlobalOrderSampler(NUM_SAMPLES, 0, 1).order[:done]), {}
-# per rank: ranks 0 and 1 fast-forward 30 batches of their loader, rank 2 starts over
-for name, starts in (("per-rank positions", [done, done, 0]), ("global sample index", [done] * 3)):
-    seen = samples_trained(3, 10, starts)
-    again[name] = len(before & set(seen))
-    print(f"{name}: {len(seen)} samples in steps 31-40, {again[name]} of them trained on before")
+saved = {}
+for rank in range(2):
+    loader = torchdata_loader(rank, 2)
+    trained_to_step_30 = list(itertools.islice(loader, 30))
+    saved[rank] = loader.state_dict()
+print(f"rank 0 of 2 saved {saved[0]['_sampler_iter_state']} after 30 batches")
+
+# %%
+# Steps 31 to 40 on 3 ranks, from the torchdata states and from the global
+# sample index (positions in the order both samplers shuffle the same way):
+
+order = GlobalOrderSampler(NUM_SAMPLES, 0, 1).order
+position, due = {sample: at for at, sample in enumerate(order)}, set(range(360, 480))
+trained = {"torchdata state": [], "global sample index": []}
+for rank in range(3):
+    loader = torchdata_loader(rank, 3)
+    if rank in saved:
+        loader.load_state_dict(saved[rank])
+    batches = itertools.islice(loader, 10)
+    mine = [position[i] for _, _, indices in batches for i in indices.tolist()]
+    from_index = list(GlobalOrderSampler(NUM_SAMPLES, rank, 3, start=360))[:40]
+    trained["torchdata state"] += mine
+    trained["global sample index"] += [position[i] for i in from_index]
+    print(f"rank {rank} of 3: torchdata from position {mine[0]}, the index from {360 + rank}")
+for way, seen in trained.items():
+    again = sum(at < 360 for at in seen)
+    print(f"{way}: {again} samples trained twice, {len(due - set(seen))} of 120 due not trained")
 
 # %%
 
 results.claim(
     "global-index-repeats-nothing",
-    again["global sample index"] == 0 < again["per-rank positions"],
-    f"samples trained twice: {again['per-rank positions']} with per-rank positions, "
-    f"{again['global sample index']} from the global sample index",
-    **again,
+    sorted(trained["global sample index"]) == sorted(due)
+    and sum(at < 360 for at in trained["torchdata state"]) > 0
+    and trained["torchdata state"][0] == 540,
+    "on 3 ranks after 2, rank 0's torchdata state starts at global position "
+    f"{trained['torchdata state'][0]}; the global sample index trains steps 31-40 exactly",
+    samples_yielded=saved[0]["_sampler_iter_state"]["samples_yielded"],
+    starts=[trained["torchdata state"][k] for k in (0, 40, 80)],
+    again=sum(at < 360 for at in trained["torchdata state"]),
 )
 
 # %%

@@ -2094,22 +2094,32 @@ def test_the_restart_probe_counts_what_its_jobs_printed(tmp_path):
     from page_tools import restarts
 
     logs = {
-        "plain": "probe attempt 0: the group formed\nGloo connectFullMesh failed with x\n"
-        "Gloo connectFullMesh failed with y\nprobe attempt 2: no group after 15 s\n"
-        "probe attempt 3: the group formed\n",
-        "prefixed": "".join(f"probe attempt {a}: the group formed\n" for a in range(4)),
-    }
+        "plain": ["probe: the group formed after 0 kills\nGloo connectFullMesh failed with x\n"
+                  "Gloo connectFullMesh failed with y\nprobe: no group after 15 s\n"
+                  "probe: the group formed after 3 kills\n"],
+        "own-store-2-agents": ["".join(f"probe: the group formed after {k} kills\n"
+                                       for k in range(4)) + "probe: agent 0 restart count 0\n",
+                               "probe: agent 1 restart count 2\nprobe: not stopped after 15 s\n"],
+    }  # fmt: skip
     jobs = {}
-    for mode, text in logs.items():
-        log = tmp_path / f"{mode}.log"
-        log.write_text(text)
-        code = "import sys; sys.exit(1 if sys.argv[1] == 'plain' else 0)"
-        jobs[mode] = (subprocess.Popen([sys.executable, "-c", code, mode]), str(log), 0.0)
+    for mode, texts in logs.items():
+        processes, paths = [], []
+        for node, text in enumerate(texts):
+            log = tmp_path / f"{mode}.{node}.log"
+            log.write_text(text)
+            code = "import sys; sys.exit(1 if sys.argv[1] == 'plain' else 0)"
+            processes.append(subprocess.Popen([sys.executable, "-c", code, mode]))
+            paths.append(str(log))
+        (tmp_path / f"{mode}.kills").mkdir()
+        (tmp_path / f"{mode}.kills" / "kill-1").touch()
+        jobs[mode] = (processes, paths, 0.0)
     counts = restarts.finish(restarts.Probe(3, jobs, str(tmp_path)), timeout_s=60)
-    expected = {"formed_after_restart": 1, "connect_failed": 2, "hung": 1, "exit": 1}
+    expected = {"agents": 1, "formed_after_restart": 1, "connect_failed": 2, "hung": 1, "exit": 1}
     assert counts["plain"] | expected == counts["plain"]
-    assert counts["prefixed"]["formed_after_restart"] == 3 and counts["prefixed"]["exit"] == 0
-    assert not tmp_path.exists(), "the probe's logs and folder are removed"
+    two = counts["own-store-2-agents"]
+    assert (two["agents"], two["formed_after_restart"], two["hung"], two["exit"]) == (2, 3, 1, 0)
+    assert two["restart_counts"] == [0, 2] and counts["plain"]["restart_counts"] == [None]
+    assert not tmp_path.exists(), "the probe's logs, kill folders and folder are removed"
 
 
 def test_loss_curves_draw_each_curve_and_mark(tmp_path):

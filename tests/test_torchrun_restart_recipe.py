@@ -71,19 +71,37 @@ def test_every_resume_is_bit_for_bit(claims, claim):
 
 def test_the_resharded_job_sees_every_sample_once(claims):
     assert claims["every-sample-once"]["evidence"]["ranks"] == [2, 3, 1]
-    again = claims["global-index-repeats-nothing"]["evidence"]
-    assert again == {"per-rank positions": 40, "global sample index": 0}
 
 
-def test_the_restart_probe_counts_both_ways(results):
+def test_torchdata_fast_forwards_by_samples_yielded(claims):
+    """Rank 0 of 2 saved 180 samples yielded (30 batches of 6); as rank 0 of 3 it skips 180
+    of its share: global position 540, rank 1 541, and rank 2 (no state) from 2."""
+    evidence = claims["global-index-repeats-nothing"]["evidence"]
+    assert evidence["samples_yielded"] == 180
+    assert evidence["starts"] == [540, 541, 2]
+    assert evidence["again"] == 40, "rank 2's 40 samples were trained on before"
+
+
+def test_a_world_size_that_does_not_divide_the_batch_is_refused(claims):
+    evidence = claims["uneven-world-size-refused"]["evidence"]
+    assert evidence["error"] == "8 ranks cannot share a global batch of 12 evenly"
+
+
+def test_the_restart_probe_counts_each_job(results):
     counts = results["values"]["restart-probe"]
-    assert set(counts) == {"plain", "prefixed"}
+    assert set(counts) == {"plain", "own-store", "own-store-2-agents"}
     for mode, count in counts.items():
         assert count["restarts"] == 3
         assert 0 <= count["formed_after_restart"] <= count["restarts"], mode
-    assert counts["prefixed"]["formed_after_restart"] == 3 and counts["prefixed"]["exit"] == 0
-    assert counts["prefixed"]["connect_failed"] == counts["prefixed"]["hung"] == 0
-    assert counts["plain"]["seconds"] < 150, "the probe is bounded"
+        assert count["seconds"] < 150, "the probe is bounded"
+    assert [counts[mode]["agents"] for mode in counts] == [1, 1, 2]
+    for mode in ("own-store", "own-store-2-agents"):
+        assert counts[mode]["formed_after_restart"] == 3 and counts[mode]["exit"] == 0, mode
+        assert counts[mode]["connect_failed"] == counts[mode]["hung"] == 0, mode
+    assert counts["own-store"]["restart_counts"] == [3]
+    # node 0's agent restarted its healthy worker without counting: a prefix of the count
+    # would differ across the two agents
+    assert counts["own-store-2-agents"]["restart_counts"] == [0, 3]
 
 
 def test_download_computes_what_the_page_shows(recipe_runner):
