@@ -46,6 +46,7 @@ RECIPE_ORDER = (
     "hf_import_recipe.py",
     "async_save_recipe.py",
     "torn_checkpoints_recipe.py",
+    "verify_checkpoint_recipe.py",
     "default_stager_recipe.py",
     "stager_copies_recipe.py",
     "resume_recipe.py",
