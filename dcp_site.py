@@ -50,6 +50,7 @@ RECIPE_ORDER = (
     "default_stager_recipe.py",
     "stager_copies_recipe.py",
     "resume_recipe.py",
+    "resume_fallback_recipe.py",
     "torchrun_restart_recipe.py",
     "staging_pitfalls_recipe.py",
     "stager_stream_recipe.py",

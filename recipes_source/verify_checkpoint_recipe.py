@@ -309,26 +309,16 @@ def verify_checkpoint(checkpoint_dir):
     if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
         raise IncompleteCheckpointError(f"{checkpoint_dir} has no .metadata")
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
-    stored = {(index.fqn, tuple(index.offset or ())) for index in metadata.storage_data}
     for fqn, item in metadata.state_dict_metadata.items():
-        chunks = item.chunks if isinstance(item, TensorStorageMetadata) else []
-        if any((fqn, tuple(c.offsets)) not in stored for c in chunks) or (
-            not chunks and (fqn, ()) not in stored
-        ):
-            raise IncompleteCheckpointError(f"{checkpoint_dir}: {fqn} has no data")
         if not isinstance(item, TensorStorageMetadata):
-            continue  # bytes: one entry, checked above
-        boxes = [(chunk.offsets, chunk.sizes) for chunk in chunks]
-        inside = all(
-            o + n <= g
-            for offsets, sizes in boxes
-            for o, n, g in zip(offsets, sizes, item.size, strict=True)
-        )
+            continue  # bytes: their file is checked below
+        boxes = [(chunk.offsets, chunk.sizes) for chunk in item.chunks]
+        inside = all(o + n <= g for b in boxes for o, n, g in zip(*b, item.size, strict=True))
         overlap = any(  # two boxes overlap when they overlap along every dimension
             all(p < q + n and q < p + m for p, m, q, n in zip(*a, *b, strict=True))
             for a, b in itertools.combinations(boxes, 2)
         )
-        covered = sum(math.prod(c.sizes) for c in chunks)
+        covered = sum(math.prod(sizes) for _, sizes in boxes)
         if not inside or overlap or covered != math.prod(item.size):
             raise IncompleteCheckpointError(
                 f"{checkpoint_dir}: the chunks of {fqn} cover {covered:,} of its "
