@@ -258,9 +258,9 @@ figures.medians(["phase, and what blocks the loop", "ms (median of 3, slowest ra
 # * **At most one save in flight.** A second ``async_save`` does not queue
 #   behind the first: both uploads run, their collectives can match each
 #   other's and hang, and each holds its own staged copy.
-# * **Wait for the last save before the group is destroyed**: its upload ends
-#   with collectives on it, before rank 0 writes ``.metadata``; without them
-#   the checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`).
+# * **Wait for the last save before the group is destroyed**: without it the
+#   checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`), or
+#   silently holds one rank's data (:ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`).
 #
 # It also saves after the first step and waits for it: a storage problem shows
 # up at once, and one-time costs are paid early. ``async_save`` returns the
