@@ -558,7 +558,13 @@ results.claim(
 # The cell runs ``main()`` as ``torchrun`` would, on ranks with torchrun's
 # environment and no process group yet. When ``torchrun --max-restarts`` starts
 # the workers again after a crash, the group needs one more precaution:
-# :ref:`sphx_glr_recipes_torchrun_restart_recipe.py`.
+# :ref:`sphx_glr_recipes_torchrun_restart_recipe.py`. ``torchrun`` stops every
+# worker before it starts new ones; a scheduler that relaunches a job itself
+# may start the new ranks while old ones still write. There, put the job or
+# attempt id in the checkpoint root (``f"{root}/job-{os.environ['SLURM_JOB_ID']}"``
+# and so on), and resume from the newest complete checkpoint of any earlier
+# root: the start-up clean-up then never deletes, and no save writes into, a
+# directory that a process of an old launch may still be writing.
 
 
 def main(checkpoint_root):

@@ -508,18 +508,20 @@ def uploads_in_rank_order(timeout_s: float = HOLD_TIMEOUT_S) -> Iterator[observe
         return dist.get_rank() if dist.is_initialized() else 0
 
     def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
-        turn = os.path.join(directory, f"finished-{rank() - 1}")
+        self._page_tools_rank = mine = rank()
+        turn = os.path.join(directory, f"finished-{mine - 1}")
         deadline = time.monotonic() + timeout_s
-        while rank() > 0 and not os.path.exists(turn):
+        while mine > 0 and not os.path.exists(turn):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank() - 1} never finished its upload")
+                raise TimeoutError(f"rank {mine - 1} never finished its upload")
             time.sleep(0.01)
         return original_write(self, plan, planner)
 
     def finish(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
         value = original_finish(self, *args, **kwargs)
-        spool.put(str(self.path))
-        Path(directory, f"finished-{rank()}").touch()
+        mine = getattr(self, "_page_tools_rank", rank())
+        spool.put({"rank": mine, "path": str(self.path)})
+        Path(directory, f"finished-{mine}").touch()
         return value
 
     with (
