@@ -2,12 +2,11 @@
 Resume: a checkpoint that fails to load, and bad input
 ======================================================
 
-The loop of :ref:`sphx_glr_recipes_resume_recipe.py` (the same code), on what
-a crash is not: a newest checkpoint that passes ``verify_checkpoint`` and still
-fails to load, which the start sets aside to resume from the one before, so
-that a restart does not pick it again; input that is wrong from the start,
-which fails at once with its cause; and the loop as a training script for
-``torchrun``.
+The loop of :ref:`sphx_glr_recipes_resume_recipe.py` (the same code), on a
+newest checkpoint that passes ``verify_checkpoint`` and still fails to load
+(set aside: the run resumes from the one before, and a restart does not pick
+it again), on input that is wrong from the start (it fails at once with its
+cause), and as a training script for ``torchrun``.
 
 .. grid:: 2
 
@@ -558,13 +557,11 @@ results.claim(
 # The cell runs ``main()`` as ``torchrun`` would, on ranks with torchrun's
 # environment and no process group yet. When ``torchrun --max-restarts`` starts
 # the workers again after a crash, the group needs one more precaution:
-# :ref:`sphx_glr_recipes_torchrun_restart_recipe.py`. ``torchrun`` stops every
-# worker before it starts new ones; a scheduler that relaunches a job itself
-# may start the new ranks while old ones still write. There, put the job or
-# attempt id in the checkpoint root (``f"{root}/job-{os.environ['SLURM_JOB_ID']}"``
-# and so on), and resume from the newest complete checkpoint of any earlier
-# root: the start-up clean-up then never deletes, and no save writes into, a
-# directory that a process of an old launch may still be writing.
+# :ref:`sphx_glr_recipes_torchrun_restart_recipe.py`. ``torchrun`` stops all
+# workers before it starts new ones; a scheduler may relaunch a job while old
+# ranks still write. There, name the directories with the job or attempt id
+# (a root per launch), so that start-up clean-up and saves touch only this
+# launch's own, and read older launches' checkpoints only to resume.
 
 
 def main(checkpoint_root):
