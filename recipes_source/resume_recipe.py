@@ -375,7 +375,7 @@ def resume_from_newest(checkpoint_root, state, keep):
         dist.barrier()  # every rank is done with it
         if dist.get_rank() == 0:
             os.rename(path, f"{path}.unreadable")
-            print(f"step {newest[0]} failed to load ({cause}): renamed {path[-13:]}.unreadable")
+            print(f"step {newest[0]}: {cause} on load; renamed {os.path.basename(path)}.unreadable")
 
 
 def check_checkpoint_root(checkpoint_root, keep):

@@ -70,7 +70,7 @@ def test_the_loop_is_the_resume_pages_own_code():
 
 def test_download_runs_alone(recipe_runner):
     output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
-    assert "step 60 failed to load (CheckpointException): renamed" in output
+    assert "step 60: CheckpointException on load; renamed step-00000060.unreadable" in output
     assert "[rank0] resuming from step 50" in output
     assert "page_tools" not in output
     assert_no_traceback(output)
