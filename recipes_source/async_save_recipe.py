@@ -254,9 +254,9 @@ figures.medians(["phase, and what blocks the loop", "ms (median of 3, slowest ra
 #   also gives ``async_save`` the CPU backend it needs when training uses NCCL.
 # * **At most one save in flight.** A second ``async_save`` does not queue:
 #   both uploads run, their collectives can match each other's and hang.
-# * **Wait for the last save before the group is destroyed**: its upload ends
-#   with collectives on it, before rank 0 writes ``.metadata``; without them
-#   the checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`).
+# * **Wait for the last save before the group is destroyed**: without it the
+#   checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`), or
+#   silently holds one rank's data (:ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`).
 #
 # It also saves after the first step and waits for it: a storage problem shows
 # up at once, one-time costs are paid early, and a checkpoint process (below)

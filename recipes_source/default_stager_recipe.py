@@ -79,8 +79,9 @@ checkpoint holds the state of its step, bit for bit.
 #    #    staging error that staging_completion can report as success. After
 #    #    the last save, wait on it, then stager.close().
 #    # 9. Destroy process groups only after that wait (dist.barrier() first for
-#    #    the default group): a group destroyed under a running upload leaves a
-#    #    checkpoint without .metadata.
+#    #    the default group): a group destroyed in the upload's collectives
+#    #    leaves no .metadata; the default group destroyed before the upload
+#    #    starts, a .metadata over one rank's data, and no error.
 #
 # This page runs a loop that follows them and measures it;
 # :ref:`sphx_glr_recipes_stager_copies_recipe.py` shows rules 5 and 8 and
@@ -221,7 +222,9 @@ print(f"{parameters / 1e6:.1f} M parameters; checkpoint with Adam: {12 * paramet
 # * ``staging_completion`` resolves when the copy to host memory is done. Until
 #   then the saved tensors must not change: wait on it right before
 #   ``optimizer.step()``. Forward and backward read the weights but do not
-#   change them, so they run while the copy runs.
+#   change them, so they run while the copy runs. (A custom stager whose copy
+#   raises a ``BaseException`` leaves it unresolved for ever: ``async_save``
+#   forwards ``Exception`` only.)
 # * ``upload_completion`` resolves when the checkpoint is written, with
 #   ``.metadata``, and raises if staging or writing failed. Wait on it before
 #   the next save and before the end.

@@ -146,9 +146,10 @@ disk.table(LIMITS)
 # ``single_file_per_rank=True``, ``sync_files=True``, no plan caching):
 # ``thread_count`` writer threads per rank, one file each;
 # ``single_file_per_rank=False``, one file per tensor; ``sync_files=False``,
-# no ``fsync``: the save returns once the bytes are in the page cache, and a
-# crash of the machine may leave the checkpoint incomplete (it shows what
-# ``fsync`` costs); ``DefaultSavePlanner(enable_plan_caching=True)``: when the
+# no ``fsync``: the save returns once the bytes are in the page cache, and
+# after a crash of the machine the checkpoint can *look* complete (its
+# ``.metadata`` on disk) with data missing (it shows what ``fsync`` costs);
+# ``DefaultSavePlanner(enable_plan_caching=True)``: when the
 # state dict has the structure it had at the previous save, ranks skip sending
 # their plans and the coordinator reuses the global plan (cached on the class).
 

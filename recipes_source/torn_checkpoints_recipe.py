@@ -6,7 +6,10 @@ A checkpoint is *torn* when its save cannot finish: the ranks' data files are
 there, but not ``.metadata``, which rank 0 writes last, after the upload's
 final collectives. This recipe makes each way it happens happen at a known
 moment, shows what ``dcp.load`` and a resume make of the result, and where the
-``.metadata`` check that resume logic relies on is fooled.
+``.metadata`` check that resume logic relies on is fooled. (The default group
+destroyed *before* the upload starts tears nothing and raises nothing: it
+leaves a ``.metadata`` over one rank's data,
+:ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`.)
 
 .. grid:: 2
 
@@ -207,8 +210,8 @@ results.claim(
 # -----------------------------------------
 # The mistake below is the one a loop makes when it ends without waiting for
 # its last save: it destroys the checkpoint group while the upload still
-# needs it. The upload's future raises, and the directory has no
-# ``.metadata``. What else happens is a race: the upload raises at once that
+# needs it for its collectives. The upload's future raises, and the directory
+# has no ``.metadata``. What else happens is a race: the upload raises at once that
 # the group is gone, or, if a peer's upload already waits in a collective on
 # it, that collective waits for a peer that never comes, until the group's
 # timeout (give a checkpoint group a short one: a hang becomes an error); and
@@ -507,4 +510,6 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # -----------------
 # * :ref:`sphx_glr_recipes_resume_recipe.py`: a rank killed in the middle of
 #   a save, and a restart that goes on bit for bit.
+# * :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`: a checkpoint with
+#   ``.metadata`` that holds one rank's data, and a verifier that refuses it.
 # * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.

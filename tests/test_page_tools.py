@@ -2137,3 +2137,43 @@ def test_loss_curves_draw_each_curve_and_mark(tmp_path):
     import matplotlib.pyplot as plt
 
     plt.close(figure)
+
+
+# --------------------------------------------------------------------------
+# faults.uploads_in_rank_order (verify_checkpoint page, issue 20)
+# --------------------------------------------------------------------------
+
+
+def _save_as_rank(rank: int, path: str, delay_s: float) -> None:
+    import warnings as _warnings
+
+    os.environ["RANK"] = str(rank)
+    time.sleep(delay_s)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")  # single process; an existing checkpoint
+        dcp.save({"w": torch.full((4,), float(rank))}, checkpoint_id=path, no_dist=True)
+
+
+def test_uploads_in_rank_order_let_rank_1_write_after_rank_0_and_restore(tmp_path):
+    """Two processes save as single processes into one directory, rank 1 first: its writes
+    wait until rank 0's save has finished, so rank 1's files and .metadata are the last."""
+    import multiprocessing as mp
+
+    originals = (FileSystemWriter.write_data, FileSystemWriter.finish)
+    path = str(tmp_path / "shared")
+    context = mp.get_context("fork")
+    with faults.uploads_in_rank_order(timeout_s=30) as order:
+        first = context.Process(target=_save_as_rank, args=(1, path, 0.0))
+        second = context.Process(target=_save_as_rank, args=(0, path, 1.0))
+        for process in (first, second):
+            process.start()
+        for process in (first, second):
+            process.join(60)
+    assert [process.exitcode for process in (first, second)] == [0, 0]
+    loaded = {"w": torch.empty(4)}
+    dcp.load(loaded, checkpoint_id=path, no_dist=True)
+    assert torch.equal(loaded["w"], torch.ones(4)), "rank 1 wrote last"
+    records = [record for rank_records in order.by_rank.values() for record in rank_records]
+    assert sorted(record["rank"] for record in records) == [0, 1]
+    assert (FileSystemWriter.write_data, FileSystemWriter.finish) == originals
+    assert "write_data" not in vars(FileSystemWriter) and "finish" not in vars(FileSystemWriter)

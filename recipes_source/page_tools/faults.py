@@ -50,7 +50,11 @@ run with ``subprocess``), ``FileSystemWriter.write_data`` waits until the interp
 begun to exit before it writes: an upload is then certainly in flight when the script
 ends.
 
-Both restore what they changed on exit.
+``uploads_in_rank_order()``: rank r's writes start once rank r-1's upload has finished:
+ranks that save into one directory as single processes (their group destroyed) then
+overwrite each other's files in rank order, every time.
+
+All restore what they changed on exit.
 
 Faults on cue: a rank killed with ``SIGKILL`` at a byte of a file it writes, at a tensor
 of a staging, or at an optimizer step; every one a context manager that restores what it
@@ -483,6 +487,52 @@ def writes_wait_for_exit() -> Iterator[str]:
         else:
             os.environ["PYTHONPATH"] = saved
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def uploads_in_rank_order(timeout_s: float = HOLD_TIMEOUT_S) -> Iterator[observe.Calls]:
+    """Inside the block, rank r's ``FileSystemWriter.write_data`` starts only once rank
+    r-1's ``FileSystemWriter.finish`` has returned (a marker file in a directory of the
+    block's own, which forked ranks inherit; the rank is ``RANK``, else the group's).
+
+    Ranks that save as single processes into one directory (their group gone) then
+    overwrite each other's files whole, in rank order, never at the same time. Records,
+    by rank, each finished upload's directory. Restores both methods on exit.
+    """
+    directory = tempfile.mkdtemp(prefix="page-tools-order-")
+    spool, calls = observe._Spool(), observe.Calls()
+
+    def rank() -> int:
+        if "RANK" in os.environ:
+            return int(os.environ["RANK"])
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        self._page_tools_rank = mine = rank()
+        turn = os.path.join(directory, f"finished-{mine - 1}")
+        deadline = time.monotonic() + timeout_s
+        while mine > 0 and not os.path.exists(turn):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {mine - 1} never finished its upload")
+            time.sleep(0.01)
+        return original_write(self, plan, planner)
+
+    def finish(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        value = original_finish(self, *args, **kwargs)
+        mine = getattr(self, "_page_tools_rank", rank())
+        spool.put({"rank": mine, "path": str(self.path)})
+        Path(directory, f"finished-{mine}").touch()
+        return value
+
+    with (
+        observe.replaced(FileSystemWriter, "write_data", write_data) as original_write,
+        observe.replaced(FileSystemWriter, "finish", finish) as original_finish,
+    ):
+        try:
+            yield calls
+        finally:
+            calls.by_rank = spool.collect()
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 PLAN_ENV = "PAGE_TOOLS_KILL_PLAN"  # read by the sitecustomize below, in new processes only
