@@ -4,10 +4,10 @@ Fast saves and loads: the knobs, measured
 
 "Why is my save so slow?" has an answer only next to the machine's own limits.
 This recipe measures how fast this machine writes, syncs and reads a
-checkpoint's raw bytes as DCP's files lay them out, then times ``dcp.save`` and ``dcp.load``
-with every ``FileSystemWriter`` and planner knob, each as a fraction of those
-limits; it saves a replicated (DDP) model with and without deduplication to
-the lowest rank, and follows host memory over 20 saves with three strategies.
+checkpoint's raw bytes, then times ``dcp.save`` and ``dcp.load`` with every
+``FileSystemWriter`` and planner knob, each as a fraction of those limits; it
+saves a replicated (DDP) model with and without deduplication to the lowest
+rank, and follows host memory over 20 saves with three strategies.
 
 .. grid:: 2
 
@@ -123,9 +123,8 @@ print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1
 # reads the files back from storage (dropped from the page cache) and from the
 # page cache. DCP also runs ``torch.save`` on each tensor: the probe is an
 # upper bound, not the way DCP writes. It also times ``torch.save`` and
-# ``torch.load`` of every tensor, apart. A limit is the best any repeat
-# reached. Where reads "from storage" are within noise of reads from the page
-# cache, the host probably caches this disk.
+# ``torch.load`` of every tensor, apart. A limit is the best any repeat reached;
+# reads "from storage" within noise of the page cache's mean a caching host.
 
 limit_runs = run_on_ranks(
     disk.measure_limits, lambda: build_sharded_model(0)[0], f"{WORK_DIR}/limits", (1, 2, 4), REPEATS
