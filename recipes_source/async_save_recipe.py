@@ -169,12 +169,11 @@ results.claim(
 # 3. **plan, serialise, write**: the ranks agree on a plan, each writes and
 #    syncs its ``.distcp`` file, and rank 0 writes ``.metadata`` last.
 #
-# ``dcp.save`` runs all of it while the loop waits; ``async_save`` runs the
-# first two and hands phase 3 to a background thread. Below, one statement per
-# phase, staging with a :class:`~torch.distributed.checkpoint.staging.DefaultStager`
-# (what ``async_save`` uses when given no stager, with every option off). Every
-# stager on this page copies in the calling thread; the next recipe overlaps
-# the copy with training.
+# ``dcp.save`` runs all of it while the loop waits; ``async_save`` runs the first two and
+# hands phase 3 to a background thread. Below, one statement per phase, staging with a
+# :class:`~torch.distributed.checkpoint.staging.DefaultStager` (what ``async_save`` uses
+# when given no stager, with every option off). Every stager on this page copies in the
+# calling thread; the next recipe overlaps the copy with training.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -258,17 +257,16 @@ figures.medians(["phase, and what blocks the loop", "ms (median of 3, slowest ra
 #   checkpoint is torn (:ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`), or
 #   silently holds one rank's data (:ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`).
 #
-# It also saves after the first step and waits for it: a storage problem shows
-# up at once, one-time costs are paid early, and a checkpoint process (below)
-# exists on every rank. ``async_save`` returns the upload's ``Future`` (an
-# ``AsyncSaveResponse`` with asynchronous staging: the :ref:`next recipe
-# <sphx_glr_recipes_default_stager_recipe.py>`).
+# It also saves after the first step and waits for it: a storage problem shows up at once,
+# one-time costs are paid early, and a checkpoint process (below) exists on every rank.
+# ``async_save`` returns the upload's ``Future`` (an ``AsyncSaveResponse`` with asynchronous
+# staging: the :ref:`next recipe <sphx_glr_recipes_default_stager_recipe.py>`).
 
 NUM_STEPS, SAVE_EVERY = 11, 3
 LAST_SAVE = NUM_STEPS // SAVE_EVERY * SAVE_EVERY  # the steps after it keep training
 
 
-def train(checkpoint_root, **async_save_options):
+def train(checkpoint_root, stager=None, **async_save_options):
     """Train NUM_STEPS steps and checkpoint every SAVE_EVERY, one save in flight."""
     model, optimizer = build_sharded_model(seed=0)
     torch.manual_seed(100 + dist.get_rank())  # each rank trains on its own data
@@ -281,10 +279,14 @@ def train(checkpoint_root, **async_save_options):
             continue
         if upload is not None:
             upload.result()  # at most one save in flight
+        path = os.path.join(checkpoint_root, f"step-{step}")
         upload = dcp.async_save(
             state_dict,
-            checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
+            checkpoint_id=path,
+            # A stager's copy is on the host: no copy-ahead from a GPU, no CUDA context on GPU 0.
+            storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0) if stager else None,
             process_group=checkpoint_group,
+            async_stager=stager,
             **async_save_options,
         )
         if step == 1:
@@ -310,14 +312,13 @@ with (
 # %%
 # Reuse one stager for every save
 # -------------------------------
-# New host memory for every save must be allocated and faulted in (and on a
-# GPU, pageable memory may copy slower than page-locked: measured below). A
-# ``DefaultStager`` passed as ``async_stager`` to every save keeps the buffers
-# of its first save and copies into them at every later one, holding them for
-# the whole run; close it after the last save to free (and unpin) them. It
-# finds a buffer by the storage of the tensor it copies, so ``state_dict()``
-# must return the live tensors, not clones; and waiting for the previous save
-# keeps the next copy from overwriting a buffer that upload still writes out.
+# New host memory for every save must be allocated and faulted in (and on a GPU, pageable
+# memory may copy slower than page-locked: measured below). A ``DefaultStager`` passed as
+# ``async_stager`` to every save keeps the buffers of its first save and copies into them at
+# every later one, holding them for the whole run; close it after the last save to free (and
+# unpin) them. It finds a buffer by the storage of the tensor it copies, so ``state_dict()``
+# must return the live tensors, not clones; and waiting for the previous save keeps the next
+# copy from overwriting a buffer that upload still writes out.
 #
 # Prefer it to ``FileSystemWriter(path, cache_staged_state_dict=True)``:
 # ``async_save`` stages through a writer only for backward compatibility; that
@@ -328,7 +329,7 @@ with (
 
 def train_with_one_stager(checkpoint_root):
     stager = DefaultStager(staging_options(use_async_staging=False))
-    train(checkpoint_root, async_stager=stager)
+    train(checkpoint_root, stager)
     stager.close()  # frees the buffers it kept (and unpins them, on GPU)
 
 
@@ -363,9 +364,8 @@ pinning = memory.pinning_on_gpu(os.path.join(WORK_DIR, "pinned"))  # None withou
 memory.claim_pins_the_state_size("stager-pins-the-state-size", pinning)
 memory.claim_writer_pins_more("writer-cache-pins-more", pinning)
 timing.claim_pinned_copy_is_faster("pinned-copy-beats-new-pageable-memory", pinning)
-figures.Table(
-    ["on the GPU", ""], list(memory.pinning_numbers(pinning).items())
-) if pinning else None
+pinning_numbers = memory.pinning_numbers(pinning)  # {} without a GPU
+figures.Table(["on the GPU", ""], list(pinning_numbers.items())) if pinning else None
 
 
 # %%
@@ -398,7 +398,7 @@ figures.Table(
 def train_in_checkpoint_process(checkpoint_root):
     stager = DefaultStager(staging_options(use_async_staging=False, checkpoint_process=True))
     process = AsyncCheckpointerType.PROCESS
-    train(checkpoint_root, async_stager=stager, async_checkpointer_type=process)
+    train(checkpoint_root, stager, async_checkpointer_type=process)
     stager.close()
     # One more save, staged without shared memory (unpinned too: the handover would move
     # the storage and free the page-locked buffer without unregistering it).
@@ -407,7 +407,7 @@ def train_in_checkpoint_process(checkpoint_root):
     checkpoint_dir = os.path.join(checkpoint_root, "unshared")
     dcp.async_save(
         state_dict,
-        checkpoint_id=checkpoint_dir,
+        storage_writer=dcp.FileSystemWriter(checkpoint_dir, per_thread_copy_ahead=0),
         async_checkpointer_type=process,
         async_stager=unshared,
     ).result()

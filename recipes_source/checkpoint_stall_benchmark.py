@@ -38,10 +38,10 @@ its spread; a difference smaller than its spread is noise, never advice.
 # %%
 # Setup
 # -----
-# The page trains a small model so that it builds in seconds. ``make bench``
-# runs this file under ``torchrun`` at full size (``BENCH`` below: a checkpoint
-# of about 1 GB, 4 steps between checkpoints) and keeps every number the page
-# measured, and the figure, in ``_build/bench/``.
+# The page trains a small model, to build in seconds. ``make bench`` runs this
+# file under ``torchrun`` at full size (``BENCH``: a checkpoint of about 1 GB,
+# 4 steps between checkpoints) and keeps every number it measured, and the
+# figure, in ``_build/bench/``.
 
 import os
 import shutil
@@ -154,14 +154,13 @@ def build_sharded_model(seed):
 #   then writes that copy in a thread.
 # * ``async_save, cached buffer`` passes a ``DefaultStager`` that the loop
 #   reuses for every save, so every copy goes into the same host buffer.
-# * ``DefaultStager overlap`` makes the copy itself run in the background,
-#   during the next forward and backward pass. The loop must wait for the
-#   staging future before ``optimizer.step()`` changes the weights. (That is
-#   safe for this model: its forward pass changes no tensor of the state dict;
-#   see :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`.)
-# * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in a separate
-#   process that DCP starts on the first save, so the write does not hold this
-#   process's GIL. It stages into shared memory, which that process maps.
+# * ``DefaultStager overlap`` copies in the background, during the next
+#   forward and backward pass; the loop waits for it before ``optimizer.step()``
+#   changes the weights (safe: this model's forward pass changes no tensor of
+#   the state dict; :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
+# * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in a process
+#   DCP starts on the first save, free of this process's GIL, from the shared
+#   memory the stager copied into, which that process maps.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager``, ``StagingOptions`` and the ``AsyncSaveResponse`` that
@@ -210,20 +209,21 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
     if strategy == "dcp.save":
         dcp.save(state_dict, checkpoint_id=path, process_group=group)
         return None, None
-    if strategy in ("async_save", "async_save, cached buffer"):
-        upload = dcp.async_save(
-            state_dict, checkpoint_id=path, process_group=group, async_stager=stager
+    if strategy == "async_save":  # it stages, and builds its writer from the path
+        return None, dcp.async_save(state_dict, checkpoint_id=path, process_group=group)
+    writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # host copy: no GPU 0 context
+    if strategy == "async_save, cached buffer":
+        return None, dcp.async_save(
+            state_dict, storage_writer=writer, process_group=group, async_stager=stager
         )
-        return None, upload
-    writer = AsyncCheckpointerType.THREAD
-    if strategy == "process writer":
-        writer = AsyncCheckpointerType.PROCESS
+    in_process = strategy == "process writer"
+    checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
     response = dcp.async_save(
         state_dict,
-        checkpoint_id=path,
+        storage_writer=writer,
         process_group=group,
         async_stager=stager,
-        async_checkpointer_type=writer,
+        async_checkpointer_type=checkpointer,
     )
     return response.staging_completion, response.upload_completion
 

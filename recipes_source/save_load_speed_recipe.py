@@ -382,8 +382,8 @@ figures.Table(
 # memory (RSS) once each save is on disk: ``dcp.save`` writes from the model's
 # tensors; ``dcp.async_save`` copies the state into new host memory at every
 # save and writes the copy in a thread; with one ``DefaultStager`` for all
-# saves, it copies into the same buffers every time. A training loop would
-# train between saves; this one waits for each, and keeps the latest only.
+# saves, it copies into the same buffers every time; its writer copies nothing
+# ahead from a GPU (the copy is on the host), so makes no context on GPU 0.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -410,7 +410,7 @@ def save_twenty_times(strategy, checkpoint_root):
     torch.manual_seed(0)
     model = ToyModel(*SECTION_SHAPE).to(device_for_this_rank())
     fully_shard(model)
-    checkpoint_group = dist.new_group(backend="gloo")  # background saves: a group of their own
+    group = dist.new_group(backend="gloo")  # background saves: a group of their own
     reuse = "DefaultStager" in strategy
     stager = DefaultStager(staging_options(use_async_staging=True)) if reuse else None
     process = psutil.Process()
@@ -419,15 +419,15 @@ def save_twenty_times(strategy, checkpoint_root):
         path = os.path.join(checkpoint_root, strategy.replace(" ", "-"), f"save-{save_number}")
         state_dict = {"model": model.state_dict()}
         if strategy == "dcp.save":
-            dcp.save(state_dict, checkpoint_id=path, process_group=checkpoint_group)
+            dcp.save(state_dict, checkpoint_id=path, process_group=group)
         elif stager is None:
-            dcp.async_save(state_dict, checkpoint_id=path, process_group=checkpoint_group).result()
+            dcp.async_save(state_dict, checkpoint_id=path, process_group=group).result()
         else:
             if torch.accelerator.is_available():
-                # The stager copies on its own stream, which does not wait for the compute stream.
-                torch.accelerator.current_stream().synchronize()
+                torch.accelerator.current_stream().synchronize()  # the stager does not wait
+            writer = FileSystemWriter(path, per_thread_copy_ahead=0)  # see above
             response = dcp.async_save(
-                state_dict, checkpoint_id=path, process_group=checkpoint_group, async_stager=stager
+                state_dict, storage_writer=writer, process_group=group, async_stager=stager
             )
             response.upload_completion.result()  # a training loop would train meanwhile
         rss.append(process.memory_info().rss)
@@ -436,7 +436,7 @@ def save_twenty_times(strategy, checkpoint_root):
         previous = path
     if stager is not None:
         stager.close()
-    dist.destroy_process_group(checkpoint_group)
+    dist.destroy_process_group(group)
     rss_at_end = process.memory_info().rss
     gc.collect()
     rss_after_gc = process.memory_info().rss

@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from page_tools import faults, memory, proofs, results, timing
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 WORK_DIR = shared_tempdir("dcp-stager-copies-")
@@ -91,6 +92,12 @@ print(f"torch {torch.__version__}; checkpoints go under {WORK_DIR}")
 # there (where training runs unless you chose another stream), and on CPU
 # there are no streams.
 #
+# Once a stager has copied the state to the host, the writer has nothing to copy
+# from a GPU. Built from a ``checkpoint_id`` it still copies 10 MB ahead
+# (``per_thread_copy_ahead``) on a stream of the current device, GPU 0 in the
+# upload thread or checkpoint process, creating a CUDA context there from every
+# rank. ``host_writer`` sets it to 0, as a writer that stages itself does.
+#
 # Without an accelerator the defaults raise (below). The rule this site uses
 # on every page, here with ``use_async_staging=True``:
 #
@@ -107,6 +114,11 @@ def staging_options(use_async_staging, checkpoint_process=False):
         use_async_staging=use_async_staging,
         use_non_blocking_copy=on_gpu,
     )
+
+
+def host_writer(path):
+    """The writer for a state the stager has copied to the host: nothing to copy ahead."""
+    return FileSystemWriter(path, per_thread_copy_ahead=0)  # no CUDA context on GPU 0
 
 
 def device_for_this_rank():
@@ -169,7 +181,7 @@ def save_then_change(checkpoint_dir, pass_a_copy):
     step, progress = 3, {"samples_seen": 300}
     response = dcp.async_save(
         {"step": step, "progress": dict(progress) if pass_a_copy else progress},
-        checkpoint_id=checkpoint_dir,
+        storage_writer=host_writer(checkpoint_dir),
         async_stager=stager,
     )
     step += 1  # rebinds the name: async_save already holds the int 3
@@ -251,7 +263,7 @@ def save_twice(checkpoint_root, fresh_tensors):
             torch.accelerator.current_stream().synchronize()  # rule 4: the clones are done
         response = dcp.async_save(
             {"model": state},
-            checkpoint_id=os.path.join(checkpoint_root, f"save-{save}"),
+            storage_writer=host_writer(os.path.join(checkpoint_root, f"save-{save}")),
             async_stager=stager,
         )
         response.upload_completion.result()
@@ -271,8 +283,9 @@ def show_buffer_reuse(checkpoint_root):
 # entries the stager's cache held (and keeps every copy alive until the cell
 # ends, so that an address seen once is not handed to a later copy):
 
-with memory.host_copies() as copies:
+with memory.host_copies() as copies, proofs.writers_given_to(dcp) as writers:
     run_on_ranks(show_buffer_reuse, os.path.join(WORK_DIR, "reuse"))
+proofs.no_copy_ahead("host-writer-copies-nothing-ahead", writers)
 live, clones = memory.save_pairs(copies)
 memory.second_save_reused("live-tensors-reuse-host-buffers", live, True, "the live weights")
 memory.second_save_reused("clones-get-new-host-buffers", clones, False, "clones")
@@ -303,7 +316,8 @@ memory.pairs_table({"the live weights": live, "clones": clones})
 def save_something_the_stager_cannot_copy(checkpoint_dir):
     stager = DefaultStager(staging_options(use_async_staging=True))
     state = {"model": nn.Linear(8, 8).state_dict(), "batches": (n for n in range(3))}
-    response = dcp.async_save(state, checkpoint_id=checkpoint_dir, async_stager=stager)
+    writer = host_writer(checkpoint_dir)
+    response = dcp.async_save(state, storage_writer=writer, async_stager=stager)
     try:
         response.staging_completion.result()
         print("staging_completion.result() returned: staging looks fine")

@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from page_tools import faults, proofs, ranks, results
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -85,7 +86,10 @@ for option, value in dataclasses.asdict(staging_options(use_async_staging=True))
 # A small model trained with Adam, so the checkpoint holds weights, Adam's two
 # moments and its step counters. Every rank holds the same replica and trains
 # on the same batches, so a checkpoint has exactly one right answer. The
-# checkpoints go through a gloo group of their own. ``run_loop`` gives a loop
+# checkpoints go through a gloo group of their own, and a writer that copies
+# nothing ahead from a GPU (``host_writer``): the stager's copy is on the host
+# already, and a writer that copied ahead would build a stream, so a CUDA
+# context, on GPU 0 from the upload thread. ``run_loop`` gives a loop
 # a model with one step of training behind it (so that Adam has state), a
 # data stream, and one ``DefaultStager`` reused for every save.
 
@@ -133,6 +137,11 @@ def checkpoint_group():
     return dist.new_group(backend="gloo")
 
 
+def host_writer(path):
+    """The writer for a state the stager has copied to the host: nothing to copy ahead."""
+    return FileSystemWriter(path, per_thread_copy_ahead=0)  # no CUDA context on GPU 0
+
+
 def run_loop(loop, saves=SAVES, checkpoints_under=WORK_DIR):
     model, optimizer = build_model()
     data = batches()
@@ -168,13 +177,13 @@ for name, tensor in make_model().state_dict().items():
 
 def save_without_synchronizing(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
     for save in range(saves):
-        path = os.path.join(checkpoint_dir, f"save-{save}")
+        writer = host_writer(os.path.join(checkpoint_dir, f"save-{save}"))
         batch = next(data)
         train_step(model, optimizer, batch)  # queues the step's kernels and returns
         state = checkpoint_state(model, optimizer)
         # BUG: nothing orders the stager's copies after the step's kernels.
         response = dcp.async_save(
-            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+            state, storage_writer=writer, async_stager=stager, process_group=checkpoint_group()
         )
         response.staging_completion.result()
         response.upload_completion.result()
@@ -182,14 +191,14 @@ def save_without_synchronizing(model, optimizer, data, stager, checkpoint_dir, s
 
 def synchronize_before_save(model, optimizer, data, stager, checkpoint_dir, saves=SAVES):
     for save in range(saves):
-        path = os.path.join(checkpoint_dir, f"save-{save}")
+        writer = host_writer(os.path.join(checkpoint_dir, f"save-{save}"))
         batch = next(data)
         train_step(model, optimizer, batch)
         state = checkpoint_state(model, optimizer)
         if torch.accelerator.is_available():
             torch.accelerator.current_stream().synchronize()  # the stager does not wait
         response = dcp.async_save(
-            state, checkpoint_id=path, async_stager=stager, process_group=checkpoint_group()
+            state, storage_writer=writer, async_stager=stager, process_group=checkpoint_group()
         )
         response.staging_completion.result()
         response.upload_completion.result()
@@ -300,9 +309,14 @@ def main(checkpoint_dir):
 
 # %%
 
-with proofs.saves_given_to(dcp, "async_save") as saved, faults.device_behind_before_steps(10**9):
+with (
+    proofs.saves_given_to(dcp, "async_save") as saved,
+    faults.device_behind_before_steps(10**9),
+    proofs.writers_given_to(dcp) as writers,
+):
     run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun"))
 proofs.every_checkpoint_as_saved("torchrun-exact", saved, "main(), torchrun", but_first=True)
+proofs.no_copy_ahead("host-writer-copies-nothing-ahead", writers)
 
 # %%
 # Clean up

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ MISSING = FIXTURES / "missing_module_recipe.py"
 HANGING = FIXTURES / "hanging_recipe.py"
 STRAY = FIXTURES / "stray_process_recipe.py"
 REUSED_STAGER = FIXTURES / "reused_stager_recipe.py"
+GPU_PROCESSES = FIXTURES / "gpu_processes_recipe.py"  # writes what the fake nvidia-smi reports
 TORCH_2_11_STAGER = FIXTURES / "torch_2_11_stager"  # a sitecustomize: torch 2.11's bug, here
 
 sys.path.insert(0, str(TOOL.parent))
@@ -264,8 +266,16 @@ def test_dry_run_records_each_recipe(dry_run):
     _, summary, out = dry_run
     by_name = {r["recipe"]: r for r in summary["recipes"]}
     assert list(by_name) == ["save_load_recipe", "failing_recipe", "missing_module_recipe"]
-    keys = {"recipe", "path", "status", "reason", "exit_status", "seconds", "log"}
+    keys = {"recipe", "path", "status", "reason", "exit_status", "seconds", "log", "gpus"}
     assert all(keys | {"headline", "claims", "leftovers"} == set(r) for r in summary["recipes"])
+    assert by_name["missing_module_recipe"]["gpus"] is None, "never started: nothing sampled"
+    if shutil.which("nvidia-smi") is None:
+        assert by_name["save_load_recipe"]["gpus"] == {
+            "measured": False,
+            "reason": "not measured (no nvidia-smi)",
+        }
+    else:  # a GPU machine: the dry run hides the GPUs, so its ranks use none
+        assert by_name["save_load_recipe"]["gpus"]["processes"] == []
 
     passed = by_name["save_load_recipe"]
     assert passed["status"] == "pass" and passed["exit_status"] == 0 and passed["reason"] is None
@@ -308,10 +318,11 @@ def test_dry_run_prints_one_line_per_recipe_and_the_total(dry_run):
     result, _, _ = dry_run
     table = result.stdout[result.stdout.index("\nrecipe ") + 1 :].splitlines()
     assert re.fullmatch(r"recipe +seconds +result", table[0])
-    assert re.fullmatch(r"save_load_recipe +\d+\.\d +pass  \| claims: 6 held", table[1])
+    gpus = r"  \| GPUs: (not measured \(no nvidia-smi\)|no process of the recipe seen.*)"
+    assert re.fullmatch(r"save_load_recipe +\d+\.\d +pass  \| claims: 6 held" + gpus, table[1])
     assert re.fullmatch(
         r"failing_recipe +\d+\.\d +fail \(exit status 1\)"
-        r"  \| claims: 1 held  \| stall_ms 12\.5",
+        r"  \| claims: 1 held  \| stall_ms 12\.5" + gpus,
         table[2],
     )
     assert re.fullmatch(
@@ -390,7 +401,9 @@ def test_on_a_gpu_machine_the_summary_names_the_gpus_and_one_rank_each(
     monkeypatch.setenv("PATH", str(FIXTURES / "bin") + os.pathsep + os.environ["PATH"])
     monkeypatch.delenv("DCP_RECIPES_WORLD_SIZE", raising=False)
     out = tmp_path / "gpu-check"
-    code = gpu_check.main(["--recipes", f"{FAILING},{MISSING}", "--out", str(out)])
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_APPS", str(tmp_path / "apps"))
+    recipes = f"{FAILING},{MISSING},{GPU_PROCESSES}"
+    code = gpu_check.main(["--recipes", recipes, "--out", str(out)])
     assert code == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["device"] == "2 x NVIDIA H200"
@@ -399,8 +412,95 @@ def test_on_a_gpu_machine_the_summary_names_the_gpus_and_one_rank_each(
     assert summary["gpus"] == [{"name": "NVIDIA H200", "driver": "570.86.15"}] * 2
     assert summary["gpu_info_from"] == "nvidia-smi"
     assert summary["world_size"] == 2
-    assert [r["status"] for r in summary["recipes"]] == ["fail", "skipped"]
-    assert "NOT a GPU check" not in capsys.readouterr().out
+    assert [r["status"] for r in summary["recipes"]] == ["fail", "skipped", "pass"]
+    two = re.search(r"children \d+ (\d+)", (out / "gpu_processes_recipe.log").read_text())[1]
+    assert [f.split(" (")[0] for f in summary["gpu_flags"]] == [f"gpu_processes_recipe: pid {two}"]
+    assert summary["gpu_flags"][0].endswith(" touched GPUs 0, 1"), "2 ranks: GPU 0's 2 are fine"
+    printed = capsys.readouterr().out
+    assert f"gpu-check: GPU flag: {summary['gpu_flags'][0]}" in printed
+    assert "NOT a GPU check" not in printed
+
+
+# --------------------------------------------------------------------------
+# Which GPUs a recipe's processes touched: nvidia-smi sampled while it runs
+# --------------------------------------------------------------------------
+
+
+def test_nvidia_smi_lines_are_parsed_and_junk_is_skipped():
+    indices = "0, GPU-aaaa\n1, GPU-bbbb\n\nnot a line\n"
+    assert gpu_check.parse_gpu_indices(indices) == {"GPU-aaaa": 0, "GPU-bbbb": 1}
+    apps = "101, GPU-aaaa\n 102 , GPU-bbbb \nNo running processes found\n103, [N/A]\n"
+    assert gpu_check.parse_compute_apps(apps) == [(101, "GPU-aaaa"), (102, "GPU-bbbb")]
+    assert gpu_check.parse_compute_apps("") == []
+
+
+def test_gpu_usage_flags_two_gpus_in_one_process_and_more_processes_than_ranks():
+    seen = {12: {0, 1}, 11: {0}, 13: {1}}
+    commands = {11: "python a.py", 12: "python -c spawn", 13: "python b.py"}
+    usage = gpu_check.gpu_usage(seen, {0: 2, 1: 1}, 2, samples=5, commands=commands, others=3)
+    assert usage["processes"] == [
+        {"pid": 11, "gpus": [0], "command": "python a.py"},
+        {"pid": 12, "gpus": [0, 1], "command": "python -c spawn"},
+        {"pid": 13, "gpus": [1], "command": "python b.py"},
+    ]
+    assert usage["by_gpu"] == {
+        "0": {"processes": 2, "most_at_once": 2},
+        "1": {"processes": 2, "most_at_once": 1},
+    }
+    assert usage["flags"] == ["pid 12 (python -c spawn) touched GPUs 0, 1"], "2 at once: 2 ranks"
+    assert usage["samples"] == 5 and usage["other_pids_seen"] == 3
+    one_rank = gpu_check.gpu_usage(seen, {0: 2, 1: 1}, 1, samples=5, commands=commands)
+    assert one_rank["flags"][1:] == ["GPU 0: 2 processes at once, more than the 1 rank(s)"]
+    # Processes one after the other (a recipe launches ranks several times): no flag.
+    apart = gpu_check.gpu_usage({1: {0}, 2: {0}, 3: {0}}, {0: 1}, 1, samples=9)
+    assert apart["by_gpu"] == {"0": {"processes": 3, "most_at_once": 1}}
+    assert apart["flags"] == []
+
+
+def test_the_table_shows_each_recipes_gpus_and_its_flags():
+    text = gpu_check.gpu_text
+    assert text(None) == ""
+    assert text({"measured": False, "reason": "not measured (no nvidia-smi)"}) == (
+        "GPUs: not measured (no nvidia-smi)"
+    )
+    none = gpu_check.gpu_usage({}, {}, 2, samples=3, others=4)
+    assert text(none) == (
+        "GPUs: no process of the recipe seen (4 other pid(s) seen: another PID namespace?)"
+    )
+    two = gpu_check.gpu_usage({7: {0, 1}}, {0: 1, 1: 1}, 1, samples=3, commands={7: "py"})
+    assert text(two) == (
+        "GPUs: 1 process(es); by GPU 0: 1 (1 at once), 1: 1 (1 at once)"
+        "; FLAG pid 7 (py) touched GPUs 0, 1"
+    )
+
+
+def test_a_recipes_processes_and_their_gpus_come_from_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(FIXTURES / "bin") + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_APPS", str(tmp_path / "apps"))
+    result = gpu_check.run_recipe(sys.executable, GPU_PROCESSES, 1, 60.0, tmp_path, dry_run=True)
+    assert result["status"] == "pass", (tmp_path / "gpu_processes_recipe.log").read_text()
+    log = (tmp_path / "gpu_processes_recipe.log").read_text()
+    one, two, outsider = map(int, re.search(r"children (\d+) (\d+); outsider (\d+)", log).groups())
+    assert outsider == os.getpid()
+    usage = result["gpus"]
+    assert usage["measured"] is True and usage["samples"] >= 2 and usage["sample_errors"] == 0
+    assert [(p["pid"], p["gpus"]) for p in usage["processes"]] == [(one, [0]), (two, [0, 1])]
+    assert all("time.sleep(30)" in p["command"] for p in usage["processes"])
+    assert usage["other_pids_seen"] == 1, "gpu-check's own pid is not the recipe's"
+    assert usage["by_gpu"] == {
+        "0": {"processes": 2, "most_at_once": 2},
+        "1": {"processes": 1, "most_at_once": 1},
+    }
+    assert [flag.split(" (")[0] for flag in usage["flags"]] == [
+        f"pid {two}",
+        "GPU 0: 2 processes at once, more than the 1 rank(s)",
+    ]
+
+
+def test_without_nvidia_smi_a_recipes_gpus_are_not_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi there
+    result = gpu_check.run_recipe(sys.executable, STRAY, 1, 60.0, tmp_path, dry_run=True)
+    assert result["gpus"] == {"measured": False, "reason": "not measured (no nvidia-smi)"}
 
 
 # --------------------------------------------------------------------------

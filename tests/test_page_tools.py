@@ -2177,3 +2177,47 @@ def test_uploads_in_rank_order_let_rank_1_write_after_rank_0_and_restore(tmp_pat
     assert sorted(record["rank"] for record in records) == [0, 1]
     assert (FileSystemWriter.write_data, FileSystemWriter.finish) == originals
     assert "write_data" not in vars(FileSystemWriter) and "finish" not in vars(FileSystemWriter)
+
+
+@ONE_PROCESS
+def test_a_save_given_a_writer_is_watched_as_one_given_its_path(tmp_path, capsys):
+    """The pages pass storage_writer=FileSystemWriter(path, per_thread_copy_ahead=0): every
+    watch and fault still finds the checkpoint, and writers_given_to sees the copy-ahead."""
+    originals = (dcp.async_save, vars(DefaultStager)["stage"], FileSystemWriter.write_data)
+    stager = DefaultStager(ASYNC)
+    try:
+        with (
+            proofs.writers_given_to(dcp) as writers,
+            proofs.saves_given_to(dcp) as saved,
+            timing.save_timeline(dcp) as timeline,
+            faults.writes_held_until_waited(dcp) as cues,
+        ):
+            writer = FileSystemWriter(str(tmp_path / "host"), per_thread_copy_ahead=0)
+            response = dcp.async_save(
+                {"w": torch.ones(4)}, storage_writer=writer, async_stager=stager, no_dist=True
+            )
+            response.staging_completion.result()
+            time.sleep(0.2)  # a write that was not held would be done by now
+            held = not (tmp_path / "host" / ".metadata").exists()
+            response.upload_completion.result()
+            plain = async_save({"w": torch.ones(4)}, tmp_path / "default", stager)
+            plain.upload_completion.result()
+    finally:
+        stager.close()
+    assert held and (tmp_path / "host" / ".metadata").exists() and len(cues) == 2
+    given = [{"stager": True, "copy_ahead": 0}, {"stager": True, "copy_ahead": None}]
+    assert writers.by_rank == {0: given}, "the writer's copy-ahead; None: no writer given"
+    names = [str(tmp_path / "host"), str(tmp_path / "default")]
+    assert [s.checkpoint for s in saved.by_rank[0]] == names
+    assert [s.checkpoint for s in timeline.saves(0)] == names
+    assert (dcp.async_save, vars(DefaultStager)["stage"], FileSystemWriter.write_data) == originals
+    with pytest.raises(results.ClaimFailed):
+        proofs.no_copy_ahead("mixed", writers)
+    host, plain = {"stager": True, "copy_ahead": 0}, {"stager": False, "copy_ahead": None}
+    with pytest.raises(results.ClaimFailed):
+        proofs.no_copy_ahead("none", observe.Calls({0: [plain]}))  # no save had a stager
+    with pytest.raises(results.ClaimFailed):
+        proofs.no_copy_ahead("default", observe.Calls({0: [{**host, "copy_ahead": 10**7}]}))
+    proofs.no_copy_ahead("host", observe.Calls({0: [host, plain, host], 1: [host, host]}))
+    said = "all 4 saves given a stager (2 ranks): a writer with per_thread_copy_ahead=0"
+    assert said in capsys.readouterr().out

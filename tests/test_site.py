@@ -434,7 +434,12 @@ def test_quick_start_ran_twice_in_the_build_and_resumed(site):
 # The set-up every page needs: visible and self-contained on each page, and the same code on
 # every page that has it (only the sizes, WIDTH, DEPTH, BATCH and LR, differ).
 SHARED_PIECES = ("ToyModel", "AppState", "device_for_this_rank", "build_sharded_model")
-SHARED_PIECES += ("staging_options", "verify_checkpoint", "IncompleteCheckpointError")
+SHARED_PIECES += (
+    "staging_options",
+    "host_writer",
+    "verify_checkpoint",
+    "IncompleteCheckpointError",
+)
 
 
 def test_shared_pieces_are_the_same_code_on_every_page():

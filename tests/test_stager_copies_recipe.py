@@ -49,6 +49,12 @@ def test_live_tensors_reuse_the_host_buffers_and_clones_do_not(claims):
     assert claims["freed-clones-leave-the-cache"]["evidence"]["cached"] == [2, 2]
 
 
+def test_the_reuse_saves_had_a_writer_that_copies_nothing_ahead(claims):
+    # 2 runs (live weights, clones) of 2 saves on each of 2 ranks, each given its stager.
+    evidence = claims["host-writer-copies-nothing-ahead"]["evidence"]
+    assert evidence == {"saves": 8, "copy_ahead": ["0"]}
+
+
 def test_a_staging_error_is_raised_by_upload_completion(claims):
     waits = claims["upload-completion-raises-the-staging-error"]["evidence"]["waits"]
     assert set(waits) == {"0", "1"}

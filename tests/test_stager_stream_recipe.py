@@ -65,6 +65,11 @@ def test_the_stream_race_is_torn_in_weights_and_moments_on_a_gpu(built):
     assert not any(name.endswith(".step") for names in differ for name in names)
 
 
+def test_the_torchrun_saves_had_a_writer_that_copies_nothing_ahead(built):
+    evidence = built["claims"]["host-writer-copies-nothing-ahead"]["evidence"]
+    assert evidence == {"saves": 2 * 6, "copy_ahead": ["0"]}, "6 saves on each of 2 ranks"
+
+
 def test_the_headline_is_the_stream_race_kind_by_kind(built):
     headline = built["values"]["headline"]
     assert list(headline) == HEADLINE

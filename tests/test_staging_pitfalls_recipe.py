@@ -39,6 +39,7 @@ HAZARDS = {  # claim: what each of its checkpoints holds that is not the saved s
     "next-save-torn": "every tensor",  # every checkpoint holds the last save's state
     "progress-torn": ["progress.samples_seen"],
 }
+WRITER = "host-writer-copies-nothing-ahead"  # every save: FileSystemWriter(per_thread_copy_ahead=0)
 LEFT_TO_CHANCE = {  # loop: checkpoints compared (the last of the upload race has no next save)
     "step_before_staging": 8,
     "wait_before_step-with-batch-norm": 8,
@@ -84,8 +85,13 @@ def test_everything_the_page_showed_before_is_still_decided_or_recorded(built):
 
 def test_every_claim_of_the_page_held(built):
     assert {name: c["held"] for name, c in built["claims"].items()} == {
-        name: True for name in [*FIXES, *HAZARDS]
+        name: True for name in [*FIXES, *HAZARDS, WRITER]
     }
+
+
+def test_every_save_of_the_torchrun_run_had_a_writer_that_copies_nothing_ahead(built):
+    evidence = built["claims"][WRITER]["evidence"]
+    assert evidence == {"saves": 2 * 6, "copy_ahead": ["0"]}, "6 saves on each of 2 ranks"
 
 
 @pytest.mark.parametrize("claim", FIXES)
@@ -156,7 +162,7 @@ def test_claims_hold_on_one_rank(recipe_runner):
     run, results = recipe_runner.source(RECIPE, world_size=1)
     assert_ok(run)
     assert all(claim["held"] for claim in results["claims"].values()), results["claims"]
-    assert sorted(results["claims"]) == sorted([*FIXES, *HAZARDS])
+    assert sorted(results["claims"]) == sorted([*FIXES, *HAZARDS, WRITER])
     assert recipe_runner.leftovers() == []
 
 

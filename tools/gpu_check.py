@@ -23,6 +23,13 @@ tests check the world-size rule on a machine without GPUs.
 ``--budget S`` the whole run (recipes after it is spent are reported, not run),
 ``--fail-on-skip`` fails a recipe skipped for a missing module (CI, where all are installed).
 
+While a recipe runs, nvidia-smi is asked every half second which compute processes use
+which GPU; those of the recipe's session (its ranks, DCP's checkpoint processes) are kept:
+each recipe's ``gpus`` in the summary lists every process and the GPUs it touched, and the
+table and the summary's ``gpu_flags`` flag a process that touched more than one GPU and a
+GPU that more processes used at once than there are ranks. Without nvidia-smi, a recipe's
+``gpus`` says "not measured (no nvidia-smi)".
+
 Where the torch under test cannot reuse a ``DefaultStager`` (torch 2.11 raises at a
 reused stager's second save, a bug 2.13 does not have), the recipes run with the
 backport in ``tools/torch_backports/``, and the summary and the first lines say so.
@@ -47,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +77,10 @@ DRY_RUN_DEVICE = "cpu (dry run)"
 TORCH_OWN_TMP_DIRS = ("torchelastic_", "torchinductor_")
 FAILED_LOG_LINES = 40
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+GPU_SAMPLE_INTERVAL_S = 0.5
+NO_NVIDIA_SMI = "not measured (no nvidia-smi)"
+COMPUTE_APPS_QUERY = ("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader")
+GPU_INDEX_QUERY = ("--query-gpu=index,uuid", "--format=csv,noheader")
 
 # Asked of the python that runs the recipes, in a child process: this tool never touches CUDA.
 _PROBE = r"""
@@ -248,6 +260,193 @@ def plan_world_size(gpus: int | None, requested: str | None) -> int:
             "NCCL needs one GPU per rank"
         )
     return size
+
+
+# --------------------------------------------------------------------------
+# Which GPUs a recipe's processes touched (nvidia-smi, sampled while it runs)
+# --------------------------------------------------------------------------
+
+
+def parse_gpu_indices(text: str) -> dict[str, int]:
+    """``nvidia-smi --query-gpu=index,uuid --format=csv,noheader``: {uuid: index}."""
+    indices = {}
+    for line in text.splitlines():
+        index, _, uuid = (part.strip() for part in line.partition(","))
+        if index.isdigit() and uuid:
+            indices[uuid] = int(index)
+    return indices
+
+
+def parse_compute_apps(text: str) -> list[tuple[int, str]]:
+    """``nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader``: (pid, uuid)
+    pairs; lines that name no process ("No running processes found", "[N/A]") are skipped."""
+    apps = []
+    for line in text.splitlines():
+        pid, _, uuid = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and uuid and not uuid.startswith("["):
+            apps.append((int(pid), uuid))
+    return apps
+
+
+def in_session(pid: int, session: int) -> bool:
+    """Whether ``pid`` is in the process group or the session ``session`` leads (a recipe
+    runs in a session of its own: its ranks and DCP's checkpoint processes are in it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return session in (int(fields[2]), int(fields[3]))
+
+
+def _command(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv if a]
+    shown = " ".join([Path(words[0]).name, *words[1:]] if words else [])
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def gpu_usage(
+    seen: dict[int, set[int | str]],
+    at_once: dict[int | str, int],
+    world_size: int,
+    samples: int,
+    commands: dict[int, str] | None = None,
+    others: int = 0,
+    errors: int = 0,
+) -> dict:
+    """A recipe's ``gpus`` entry: each process and the GPUs it touched, per GPU how many
+    processes touched it (and most at one sample), and the flags: a process on more than one
+    GPU, a GPU with more processes at once than there are ranks."""
+    commands = commands or {}
+    processes = [
+        {"pid": pid, "gpus": sorted(gpus, key=str), "command": commands.get(pid, "?")}
+        for pid, gpus in sorted(seen.items())
+    ]
+    by_gpu: dict[str, dict] = {}
+    for process in processes:
+        for gpu in process["gpus"]:
+            entry = by_gpu.setdefault(str(gpu), {"processes": 0, "most_at_once": 0})
+            entry["processes"] += 1
+    for gpu, most in at_once.items():
+        by_gpu.setdefault(str(gpu), {"processes": 0, "most_at_once": 0})["most_at_once"] = most
+    flags = [
+        f"pid {p['pid']} ({p['command']}) touched GPUs {', '.join(map(str, p['gpus']))}"
+        for p in processes
+        if len(p["gpus"]) > 1
+    ]
+    flags += [
+        f"GPU {gpu}: {entry['most_at_once']} processes at once, more than the {world_size} rank(s)"
+        for gpu, entry in sorted(by_gpu.items())
+        if entry["most_at_once"] > world_size
+    ]
+    return {
+        "measured": True,
+        "samples": samples,
+        "sample_errors": errors,
+        "processes": processes,
+        "by_gpu": dict(sorted(by_gpu.items())),
+        "other_pids_seen": others,
+        "flags": flags,
+    }
+
+
+def gpu_text(usage: dict | None) -> str:
+    """A recipe's ``gpus`` as the table shows it."""
+    if usage is None:
+        return ""
+    if not usage.get("measured"):
+        return f"GPUs: {usage['reason']}"
+    if not usage["processes"]:
+        others = usage["other_pids_seen"]
+        return "GPUs: no process of the recipe seen" + (
+            f" ({others} other pid(s) seen: another PID namespace?)" if others else ""
+        )
+    per_gpu = ", ".join(
+        f"{gpu}: {entry['processes']} ({entry['most_at_once']} at once)"
+        for gpu, entry in usage["by_gpu"].items()
+    )
+    text = f"GPUs: {len(usage['processes'])} process(es); by GPU {per_gpu}"
+    return text + "".join(f"; FLAG {flag}" for flag in usage["flags"])
+
+
+class GpuSampler:
+    """In a background thread, every ``interval`` s while the block runs: which GPUs the
+    processes of ``session`` use, from ``nvidia-smi`` (``smi``; None: not measured)."""
+
+    def __init__(self, smi: str | None, session: int, interval: float = GPU_SAMPLE_INTERVAL_S):
+        self.smi, self.session, self.interval = smi, session, interval
+        self.seen: dict[int, set[int | str]] = {}
+        self.at_once: dict[int | str, int] = {}
+        self.commands: dict[int, str] = {}
+        self.others: set[int] = set()
+        self.samples = self.errors = 0
+        self.indices: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+
+    def _query(self, *args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                [self.smi, *args], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def _index(self, uuid: str) -> int | str:
+        if uuid not in self.indices:
+            self.indices.update(parse_gpu_indices(self._query(*GPU_INDEX_QUERY) or ""))
+        return self.indices.get(uuid, uuid)
+
+    def sample(self) -> None:
+        apps = self._query(*COMPUTE_APPS_QUERY)
+        if apps is None:
+            self.errors += 1
+            return
+        self.samples += 1
+        now: dict[int | str, set[int]] = {}
+        for pid, uuid in parse_compute_apps(apps):
+            if not in_session(pid, self.session):
+                self.others.add(pid)
+                continue
+            gpu = self._index(uuid)
+            self.seen.setdefault(pid, set()).add(gpu)
+            self.commands.setdefault(pid, _command(pid))
+            now.setdefault(gpu, set()).add(pid)
+        for gpu, pids in now.items():
+            self.at_once[gpu] = max(self.at_once.get(gpu, 0), len(pids))
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> GpuSampler:
+        if self.smi:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def usage(self, world_size: int) -> dict:
+        if not self.smi:
+            return {"measured": False, "reason": NO_NVIDIA_SMI}
+        return gpu_usage(
+            self.seen,
+            self.at_once,
+            world_size,
+            self.samples,
+            self.commands,
+            len(self.others),
+            self.errors,
+        )
 
 
 # --------------------------------------------------------------------------
@@ -446,14 +645,16 @@ def run_recipe(
                 cwd=cwd,
                 start_new_session=True,  # its own process group: stopped as a whole
             )
-            try:
-                code = proc.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out, code = True, None
-            except BaseException:  # Ctrl-C, SIGTERM: its own session gets neither
-                _stop_group(proc)
-                raise
+            with GpuSampler(shutil.which("nvidia-smi"), proc.pid) as sampler:
+                try:
+                    code = proc.wait(timeout=timeout)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    timed_out, code = True, None
+                except BaseException:  # Ctrl-C, SIGTERM: its own session gets neither
+                    _stop_group(proc)
+                    raise
+            result["gpus"] = sampler.usage(world_size)
             result["seconds"] = round(time.monotonic() - start, 2)
             stray = not timed_out and _group_alive(proc.pid)
             _stop_group(proc)
@@ -495,6 +696,7 @@ def _new_result(path: Path, out_dir: Path) -> dict:
         "headline": None,
         "claims": {},
         "leftovers": [],
+        "gpus": None,  # which GPUs its processes touched (GpuSampler); None: never started
     }
 
 
@@ -546,6 +748,8 @@ def format_table(results: list[dict]) -> str:
             extra += f", {claims['failed']} FAILED"
         if r["headline"]:
             extra += f"  | {headline_text(r['headline'])}"
+        if r.get("gpus"):
+            extra += f"  | {gpu_text(r['gpus'])}"
         lines.append(f"{r['recipe']:<{width}}  {r['seconds']:8.1f}  {verdict}{extra}")
     total = sum(r["seconds"] for r in results)
     counts = {s: sum(r["status"] == s for r in results) for s in ("pass", "fail", "skipped")}
@@ -554,6 +758,13 @@ def format_table(results: list[dict]) -> str:
         f"{counts['pass']} passed, {counts['fail']} failed, {counts['skipped']} skipped"
     )
     return "\n".join(lines)
+
+
+def gpu_flags(results: list[dict]) -> list[str]:
+    """Every recipe's GPU flags, as ``<recipe>: <flag>``."""
+    return [
+        f"{r['recipe']}: {flag}" for r in results for flag in (r.get("gpus") or {}).get("flags", [])
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -654,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary_pattern": "lines starting with '<recipe stem>: ' (after an optional [rankN])",
         "recipes": [],
         "totals": {},
+        "gpu_flags": [],
     }
     print(
         f"gpu-check: {len(recipes)} recipe(s) on {device}, torch {probe['torch']}, "
@@ -705,10 +917,13 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": sum(r["status"] == "skipped" for r in results),
         "seconds": round(sum(r["seconds"] for r in results), 2),
     }
+    summary["gpu_flags"] = gpu_flags(results)
     summary.update(complete=True, ok=not failed, finished=_now())
     _write_summary(out_dir, summary)
     print()
     print(format_table(results))
+    for flag in summary["gpu_flags"]:
+        print(f"gpu-check: GPU flag: {flag}")
     if args.allow_cpu:
         print("gpu-check: a CPU dry run (--allow-cpu): this was NOT a GPU check")
     return 1 if failed else 0

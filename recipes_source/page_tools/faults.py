@@ -306,7 +306,7 @@ def writes_held_until_waited(dcp_module: Any) -> Iterator[list[threading.Event]]
     by_checkpoint: dict[str, threading.Event] = {}
 
     def on_call(kwargs: dict) -> None:
-        checkpoint = kwargs.get("checkpoint_id")
+        checkpoint = observe.checkpoint_id(observe.Call((), kwargs))
         gate = cues.new_gate()
         if checkpoint is not None and gate is not None:
             by_checkpoint[os.path.abspath(os.fspath(checkpoint))] = gate
@@ -390,7 +390,7 @@ def uploads_held_after_writing(timeout_s: float = 60.0) -> Iterator[observe.Call
         hold.release.set()
 
     def async_save(*args: Any, **kwargs: Any) -> Any:
-        hold = _Hold(str(kwargs.get("checkpoint_id")))
+        hold = _Hold(str(observe.checkpoint_id(observe.Call(args, kwargs))))
         with lock:
             unclaimed.append(hold)
             pending.append(hold)

@@ -627,7 +627,8 @@ def staged_copies_shared(stager_class: Any, owner: Any, name: str = "async_save"
         local.staged = local.shared = None
         future = original_save(*args, **kwargs)
         staged = local.staged
-        record = {"checkpoint_id": str(kwargs.get("checkpoint_id")), "after_staging": local.shared}
+        checkpoint = str(observe.checkpoint_id(observe.Call(args, kwargs)))
+        record = {"checkpoint_id": checkpoint, "after_staging": local.shared}
 
         def completed(_: Any) -> None:
             spool.put({**record, "after_upload": staged is not None and all_shared(staged)})

@@ -444,10 +444,9 @@ def _on_cpu(taken: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def saves_given_to(
-    owner: Any, name: str = "async_save", keyword: str = "checkpoint_id"
-) -> Iterator[observe.Calls]:
-    """Watch a save function (``dcp.async_save``): every rank's ``Saved`` for each call.
+def saves_given_to(owner: Any, name: str = "async_save") -> Iterator[observe.Calls]:
+    """Watch a save function (``dcp.async_save``): every rank's ``Saved`` for each call, by
+    the checkpoint it names (``checkpoint_id``, or its ``storage_writer``'s path).
 
     The snapshot waits for no device, so that the save runs as it would unwatched: tensors
     on a device are cloned there at the call and brought to the CPU once the call has
@@ -460,11 +459,40 @@ def saves_given_to(
             call = observe.Call(args, kwargs)
             taken, device = _taken_at_call(call.argument(0, "state_dict"))
             result = original(*args, **kwargs)
-            put(Saved(os.fspath(kwargs[keyword]), _on_cpu(taken), device))
+            put(Saved(str(observe.checkpoint_id(call)), _on_cpu(taken), device))
             return result
 
         with observe.replaced(owner, name, watched) as original:
             yield calls
+
+
+@contextlib.contextmanager
+def writers_given_to(owner: Any, name: str = "async_save") -> Iterator[observe.Calls]:
+    """Watch a save function: for every call, by rank, ``{"stager": given an async_stager,
+    "copy_ahead": its storage_writer's per_thread_copy_ahead}`` (``None``: no writer given;
+    ``checkpoint_id`` alone builds one that copies 10 MB ahead from a GPU, on a stream of the
+    current device: GPU 0 in an upload thread or a checkpoint process)."""
+
+    def given(call: observe.Call) -> dict[str, Any]:
+        writer = call.kwargs.get("storage_writer")
+        copy_ahead = getattr(writer, "per_thread_copy_ahead", None)
+        return {"stager": call.kwargs.get("async_stager") is not None, "copy_ahead": copy_ahead}
+
+    with observe.watch(owner, name, given, before=True) as calls:
+        yield calls
+
+
+def no_copy_ahead(claim: str, writers: observe.Calls) -> None:
+    """Decide that every save ``writers_given_to`` watched that was given a stager was also
+    given a writer with ``per_thread_copy_ahead=0``: the stager's copy is on the host, the
+    upload copies nothing ahead from a GPU and builds no stream (no CUDA context) on GPU 0."""
+    seen = [r["copy_ahead"] for records in writers.by_rank.values() for r in records if r["stager"]]
+    said = (
+        f"all {len(seen)} saves given a stager ({len(writers.by_rank)} ranks): a writer with "
+        "per_thread_copy_ahead=0"
+    )
+    held = bool(seen) and all(value == 0 for value in seen)
+    results.claim(claim, held, said, saves=len(seen), copy_ahead=sorted(set(map(str, seen))))
 
 
 def saves_into(saves: observe.Calls, directory: str | os.PathLike) -> observe.Calls:
@@ -879,7 +907,7 @@ def saving_into(suffix: str, anywhere: bool = False) -> Callable[[observe.Call],
     contains it (``anywhere=True``)."""
 
     def wanted(call: observe.Call) -> bool:
-        checkpoint_id = str(call.kwargs.get("checkpoint_id", ""))
+        checkpoint_id = observe.checkpoint_id(call) or ""
         return suffix in checkpoint_id if anywhere else checkpoint_id.endswith(suffix)
 
     return wanted

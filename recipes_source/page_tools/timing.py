@@ -936,7 +936,7 @@ def save_timeline(dcp_module: Any, name: str = "async_save") -> Iterator[Timelin
     with observe.records() as (calls, put):
 
         def async_save(*args: Any, **kwargs: Any) -> Any:
-            checkpoint = os.fspath(kwargs["checkpoint_id"])
+            checkpoint = observe.checkpoint_id(observe.Call(args, kwargs))
             put(("called", checkpoint, time.perf_counter()))
             response = original_save(*args, **kwargs)
             returned = time.perf_counter()
@@ -1069,8 +1069,7 @@ def until_first(owner: Any, name: str, then_owner: Any, then_name: str) -> Itera
 
 
 def _checkpoint_id(kwargs: dict) -> str | None:
-    path = kwargs.get("checkpoint_id")
-    return os.fspath(path) if path is not None else None
+    return observe.checkpoint_id(observe.Call((), kwargs))
 
 
 @contextlib.contextmanager
