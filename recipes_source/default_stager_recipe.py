@@ -82,12 +82,14 @@ checkpoint holds the state of its step, bit for bit.
 #    #    the default group): a group destroyed in the upload's collectives
 #    #    leaves no .metadata; the default group destroyed before the upload
 #    #    starts, a .metadata over one rank's data, and no error.
+#    # 10. Save through FileSystemWriter(path, per_thread_copy_ahead=0): the
+#    #    copy is on the host, and the default copy-ahead has the upload thread
+#    #    create a CUDA context on GPU 0 (on every rank).
 #
 # This page runs a loop that follows them and measures it;
 # :ref:`sphx_glr_recipes_stager_copies_recipe.py` shows rules 5 and 8 and
-# the stager's buffer reuse at work.
-# :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py` breaks rules 3, 5, 6
-# and 7 on purpose, shows what each break writes into the checkpoint, and
+# the stager's buffer reuse at work. :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`
+# breaks rules 3, 5, 6 and 7 on purpose, shows what each break writes, and
 # proves each fix; :ref:`sphx_glr_recipes_stager_stream_recipe.py` does the
 # same for rule 4, on a GPU.
 
@@ -263,9 +265,10 @@ def train_with_default_stager(checkpoint_root):
                 response.upload_completion.result()  # rule 3
             if torch.accelerator.is_available():
                 torch.accelerator.current_stream().synchronize()  # rule 4
+            path = os.path.join(checkpoint_root, f"step-{step}")
             response = dcp.async_save(
                 {"app": app_state},
-                checkpoint_id=os.path.join(checkpoint_root, f"step-{step}"),
+                storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0),  # rule 10
                 process_group=checkpoint_group,
                 async_stager=stager,
             )

@@ -23,7 +23,7 @@ cause), and as a training script for ``torchrun``.
        :class-card: card-prerequisites
 
        * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``); not
-         torch 2.11.0, whose ``DefaultStager`` cannot be reused
+         torch 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
          (:ref:`reused-stager-keyerror`)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_resume_recipe.py`: the loop, its kills and restarts
@@ -51,8 +51,7 @@ cause), and as a training script for ``torchrun``.
 #    # 7. Test it: kill a rank (SIGKILL) in a save, compare with a run that
 #    #    never crashed, bit for bit.
 #
-# The rules of an overlapped save (``staging_completion`` before ``optimizer.step()``,
-# ``upload_completion`` before the next save) hold here too.
+# The rules of :ref:`sphx_glr_recipes_default_stager_recipe.py` hold here too.
 
 # %%
 # Setup
@@ -429,8 +428,9 @@ def train(checkpoint_root, num_steps=NUM_STEPS, keep=KEEP):
                 response.upload_completion.result()  # the previous save is complete now
             removed = cleaning.result() if cleaning else []  # done long ago, as a rule
             path = step_dir(checkpoint_root, step)
+            writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # the copy is on the host
             response = dcp.async_save(
-                state, checkpoint_id=path, process_group=group, async_stager=stager
+                state, storage_writer=writer, process_group=group, async_stager=stager
             )
             if rank == 0:
                 kept = [s for s, done in saved_steps(checkpoint_root).items() if done]

@@ -434,8 +434,9 @@ def train(checkpoint_root, num_steps=NUM_STEPS, keep=KEEP):
                 response.upload_completion.result()  # the previous save is complete now
             removed = cleaning.result() if cleaning else []  # done long ago, as a rule
             path = step_dir(checkpoint_root, step)
+            writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # the copy is on the host
             response = dcp.async_save(
-                state, checkpoint_id=path, process_group=group, async_stager=stager
+                state, storage_writer=writer, process_group=group, async_stager=stager
             )
             if rank == 0:
                 kept = [s for s, done in saved_steps(checkpoint_root).items() if done]
