@@ -261,11 +261,11 @@ def train_with_default_stager(checkpoint_root):
             optimizer.step()
 
         if step % SAVE_EVERY == 0:
+            path = os.path.join(checkpoint_root, f"step-{step}")
             if response is not None:
                 response.upload_completion.result()  # rule 3
             if torch.accelerator.is_available():
                 torch.accelerator.current_stream().synchronize()  # rule 4
-            path = os.path.join(checkpoint_root, f"step-{step}")
             response = dcp.async_save(
                 {"app": app_state},
                 storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0),  # rule 10

@@ -3,15 +3,14 @@ Restarts under torchrun, and on another number of ranks
 =======================================================
 
 :ref:`sphx_glr_recipes_resume_recipe.py` resumes a job launched again on as
-many ranks as before. Two other ways a job comes back need one precaution
-each. ``torchrun --max-restarts`` starts the workers again by itself, and
-their process group must form on a store without the earlier attempts' keys,
-on one node and across nodes. A job that comes back on more or fewer ranks
-gets its model and optimizer resharded by DCP, but per-rank data positions no
-longer fit: its data position must not depend on the ranks. This page's loop
+many ranks as before. Two other ways back need one precaution each.
+``torchrun --max-restarts`` starts the workers again by itself: their group
+must form on a store without the earlier attempts' keys, on one node and
+across nodes. On more or fewer ranks DCP reshards model and optimizer, but
+per-rank data positions no longer fit: they must not depend on the ranks. This page's loop
 keeps only what these two need (model, optimizer, step, a global sample index,
-``dcp.save``): it kills a worker under ``torchrun --max-restarts=1``, then
-resumes on 2, 3 and 1 ranks, and checks each resume bit for bit.
+``dcp.save``): it kills a worker under ``torchrun --max-restarts=1``, resumes
+on 2, 3 and 1 ranks, and checks each resume bit for bit.
 
 .. grid:: 2
 
@@ -48,7 +47,7 @@ resumes on 2, 3 and 1 ranks, and checks each resume bit for bit.
 #    #    save a global sample index: how many samples of one global order all
 #    #    ranks together have trained on.
 #    # 3. On another number of ranks, start the data there: per-rank positions
-#    #    (and per-rank RNG streams) do not fit another number of ranks.
+#    #    and per-rank RNG streams do not fit.
 
 # %%
 # Setup
@@ -575,8 +574,10 @@ results.claim(
     sorted(trained["global sample index"]) == sorted(due)
     and sum(at < 360 for at in trained["torchdata state"]) > 0
     and trained["torchdata state"][0] == 540,
-    "on 3 ranks after 2, rank 0's torchdata state starts at global position "
-    f"{trained['torchdata state'][0]}; the global sample index trains steps 31-40 exactly",
+    figures.wrap(
+        "on 3 ranks after 2, rank 0's torchdata state starts at global position "
+        f"{trained['torchdata state'][0]}; the global sample index trains steps 31-40 exactly"
+    ),
     samples_yielded=saved[0]["_sampler_iter_state"]["samples_yielded"],
     starts=[trained["torchdata state"][k] for k in (0, 40, 80)],
     again=sum(at < 360 for at in trained["torchdata state"]),

@@ -51,6 +51,7 @@ import torch.nn as nn
 from page_tools import faults, observe, results
 from rank_launcher import run_as_torchrun, run_on_one_process, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -180,6 +181,10 @@ def save_after_the_group_is_gone(checkpoint_dir, dedicated_group):
         try:
             response.upload_completion.result()
             error = "nothing"
+        except CheckpointException as err:  # without the page's holds the ranks can collide
+            error = ", ".join(
+                f"{type(e).__name__} on rank {r}" for r, (e, _) in err.failures.items()
+            )
         except Exception as err:
             error = re.sub(
                 r"<[\w.]+\.(\w+) object at 0x\w+>", r"<\1>", f"{type(err).__name__}: {err}"
@@ -219,6 +224,9 @@ with (
 
 
 def saved_chunks(checkpoint_dir, fqn="app.model.layers.0.weight"):
+    if not is_complete(checkpoint_dir):  # the two single-process saves collided this time
+        print(f"files: {sorted(os.listdir(checkpoint_dir))}: no .metadata this time")
+        return []
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
     tensor = metadata.state_dict_metadata[fqn]
     print(f"files: {sorted(os.listdir(checkpoint_dir))}; complete: {is_complete(checkpoint_dir)}")
@@ -245,7 +253,7 @@ def load_and_count_unchanged(checkpoint_dir):
     return len(unchanged), len(before)
 
 
-silent_loads = run_on_ranks(load_and_count_unchanged, SILENT_DIR)
+silent_loads = run_on_ranks(load_and_count_unchanged, SILENT_DIR) if silent_chunks else []
 
 # %%
 

@@ -191,6 +191,9 @@ def test_the_loop_follows_the_rules_it_states():
         "if torch.accelerator.is_available():",
         "torch.accelerator.current_stream().synchronize()  # rule 4",
     ]
+    assert lines[save + 2] == (
+        "storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0),  # rule 10"
+    )
     assert "stager = DefaultStager(staging_options(use_async_staging=True))  # rule 2" in lines
     close = lines.index(
         "stager.close()  # rule 8: stops the staging thread, frees the host buffers"

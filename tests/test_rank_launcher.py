@@ -20,7 +20,7 @@ def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner):
     result = recipe_runner.script(SCRIPTS / "raising_rank.py", timeout=120)
     assert result.returncode != 0
     error = result.stderr
-    assert "RankFailedError: recipe 'raising_rank': rank 1 failed: rank 1 raised" in error
+    assert "RankFailedError: recipe 'raising_rank': rank 1 failed: rank 1 raised" in error, error
     assert "ValueError: loss is NaN on purpose" in error
     assert "rank 1 reached step 7" in error, "the failing rank's output is in the error"
     assert "timed out" not in error, "a raising rank must not wait for the deadline"
