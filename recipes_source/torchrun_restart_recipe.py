@@ -241,8 +241,7 @@ def newest_complete_step(checkpoint_root):
 # -----------------
 # Rank 0 picks the newest complete checkpoint and every rank loads it: DCP
 # reshards model and optimizer to however many ranks load them. The data
-# starts at the global sample index, and each rank counts the samples it trains
-# on.
+# starts at the global sample index; each rank counts the samples it trains on.
 
 
 def train(checkpoint_root, num_steps=NUM_STEPS):

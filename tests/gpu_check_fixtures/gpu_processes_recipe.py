@@ -15,6 +15,9 @@ with open(os.environ["FAKE_NVIDIA_SMI_APPS"], "w") as apps:
     apps.write("\n".join(lines) + "\n")
 print(f"children {one} {two}; outsider {outsider}", flush=True)
 time.sleep(2)  # a few samples
+# As nvidia-smi, which lists running processes only: the children leave the list first.
+open(os.environ["FAKE_NVIDIA_SMI_APPS"], "w").close()
+time.sleep(1)  # a sample that no longer sees them, before they are gone
 for child in children:
     child.kill()
     child.wait()
