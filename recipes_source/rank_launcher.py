@@ -597,9 +597,19 @@ def _ensure_torchrun_group() -> None:
     atexit.register(_destroy_torchrun_group)
 
 
+# The teardown barrier's handle, kept until Python clears this module on the main thread.
+_TEARDOWN_BARRIER: list[Any] = []
+
+
 def _destroy_torchrun_group() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        # gloo's worker thread lets go of its last collectives when it lets go of this barrier.
+        # Were that the last reference, it would free their tensors while Python shuts down
+        # (the group outlives destroy_process_group: DTensor caches keep fully_shard's mesh),
+        # and the process aborts: "terminate called without an active exception".
+        barrier = dist.barrier(async_op=True)
+        barrier.wait()
+        _TEARDOWN_BARRIER.append(barrier)
         dist.destroy_process_group()
 
 
