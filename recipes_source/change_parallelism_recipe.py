@@ -99,7 +99,9 @@ TOKENS = torch.randint(0, LLAMA.vocab_size, (4, 16), generator=torch.Generator()
 
 def save_base(checkpoint_dir, config):
     torch.manual_seed(0)
-    dcp.save(get_model_state_dict(LlamaForCausalLM(config)), checkpoint_id=checkpoint_dir)
+    state_dict = get_model_state_dict(LlamaForCausalLM(config))
+    dcp.save(state_dict, checkpoint_id=checkpoint_dir)
+    print(f"base model: {len(state_dict)} tensors saved")
 
 
 def load_base(checkpoint_dir, config):
@@ -149,6 +151,9 @@ def describe_size(checkpoint_dir):
 
 with proofs.state_given_to(dcp, "save") as adapters_saved:
     trained_logits = run_on_ranks(train_adapters, BASE_DIR, ADAPTER_DIR, LLAMA, LORA, TOKENS)[0]
+
+# %%
+
 sizes = {os.path.basename(d): describe_size(d) for d in (BASE_DIR, ADAPTER_DIR)}
 
 # %%
