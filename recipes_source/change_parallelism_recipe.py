@@ -157,10 +157,11 @@ with proofs.state_given_to(dcp, "save") as adapters_saved:
 sizes = {os.path.basename(d): describe_size(d) for d in (BASE_DIR, ADAPTER_DIR)}
 
 # %%
-# Every ``.pt``-style overhead aside (DCP pickles each optimizer
-# hyper-parameter), the adapter checkpoint's tensors are a few percent of the
-# base's. Now a fresh process builds the base from its checkpoint, wraps it
-# in the same LoRA config, and loads the adapters and their optimizer state:
+# Both checkpoints carry a fixed overhead in their files (``.metadata``, and
+# a pickled entry per optimizer hyper-parameter), but the adapter
+# checkpoint's tensors are a few percent of the base's. Now fresh ranks build
+# the base from its checkpoint, wrap it in the same LoRA config, and load the
+# adapters and their optimizer state:
 
 
 def load_base_and_adapters(base_dir, adapter_dir, config, lora, tokens):

@@ -320,10 +320,10 @@ def error_of(attempt, *args):
     except (CheckpointException, ValueError) as error:
         if isinstance(error, CheckpointException):  # a cause per failed rank: the first
             _, (error, _) = min(error.failures.items())
+        message = f"{type(error).__name__}: {error}"
         if dist.get_rank() == 0:
-            message = f"{type(error).__name__}: {error}"
             print(textwrap.fill(message, 78, subsequent_indent="  ", break_on_hyphens=False))
-        return f"{type(error).__name__}: {error}"
+        return message
 
 
 def plain_load(checkpoint_dir, config):
