@@ -38,8 +38,8 @@ RESULTS_DIR_ENV = "DCP_RECIPES_RESULTS_DIR"  # read by recipes_source/page_tools
 LAUNCHER = "rank_launcher.py"
 PAGE_PACKAGE = "page_tools"  # the pages' measuring and proving code, left out of downloads
 
-# The order a reader should take: basics and export, async, full overlap, resuming, the
-# pitfalls of overlap, the numbers.
+# The order a reader should take: basics and export, async, full overlap, resuming, loading
+# part of a checkpoint or into a changed model, the pitfalls of overlap, the numbers.
 RECIPE_ORDER = (
     "save_load_recipe.py",
     "hf_interop_recipe.py",
@@ -52,6 +52,8 @@ RECIPE_ORDER = (
     "resume_recipe.py",
     "resume_fallback_recipe.py",
     "torchrun_restart_recipe.py",
+    "partial_load_recipe.py",
+    "change_parallelism_recipe.py",
     "staging_pitfalls_recipe.py",
     "stager_stream_recipe.py",
     "checkpoint_stall_benchmark.py",

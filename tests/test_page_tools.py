@@ -2221,3 +2221,43 @@ def test_a_save_given_a_writer_is_watched_as_one_given_its_path(tmp_path, capsys
     proofs.no_copy_ahead("host", observe.Calls({0: [host, plain, host], 1: [host, host]}))
     said = "all 4 saves given a stager (2 ranks): a writer with per_thread_copy_ahead=0"
     assert said in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------
+# reads: what a load read from a checkpoint's files
+# --------------------------------------------------------------------------
+
+
+def test_file_reads_sees_the_keys_and_bytes_a_load_reads_and_restores(tmp_path):
+    import warnings
+
+    from page_tools import reads
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = str(tmp_path / "checkpoint")
+    state = {"model": {"w": torch.arange(12.0).reshape(4, 3)}, "optim": {"m": torch.ones(1000)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled"
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+        original = FileSystemReader.read_data
+        model_only = {"model": {"w": torch.zeros(4, 3)}}
+        with reads.file_reads(FileSystemReader) as read:
+            dcp.load(model_only, checkpoint_id=path, no_dist=True)
+        with reads.file_reads(FileSystemReader) as refused, pytest.raises(CheckpointException):
+            dcp.load({"missing": torch.zeros(2)}, checkpoint_id=path, no_dist=True)
+    assert FileSystemReader.read_data is original
+    assert torch.equal(model_only["model"]["w"], state["model"]["w"]), "the load itself ran"
+    assert reads.read_keys(read) == ["model.w"]
+    assert reads.read_bytes(read) == reads.stored_bytes(path, ["model.w"]) >= 12 * 4
+    assert reads.stored_bytes(path) > reads.stored_bytes(path, ["model.w"]) + 1000 * 4 - 1
+    assert reads.read_bytes(refused) == 0 and reads.read_keys(refused) == []
+
+
+def test_part_keeps_the_keys_under_prefixes_and_names():
+    from page_tools import reads
+
+    state = {"app": {"model": {"w": torch.ones(2)}, "optim": {"m": torch.zeros(2)}}, "step": 3}
+    assert list(reads.part(state, "app.model.")) == ["app.model.w"]
+    assert sorted(reads.part(state, "app.model.", "step")) == ["app.model.w", "step"]
+    assert reads.part(state, "app.mod") == {}  # a name without a dot is one key, not a prefix
