@@ -11,6 +11,14 @@ import pytest
 from recipe_runner import HTML, ROOT, RecipeRunner
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that launch recipes or a browser (tens of seconds each) start first: the run
+    then ends on short tests on every worker, not on one long test while the others idle."""
+    items.sort(
+        key=lambda item: not ("recipe_runner" in item.fixturenames or item.get_closest_marker("browser"))
+    )
+
+
 @pytest.fixture
 def recipe_runner(tmp_path: Path) -> Iterator[RecipeRunner]:
     """Runs recipes with a private TMPDIR; ``recipe_runner.leftovers()`` lists what stayed."""

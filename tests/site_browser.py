@@ -5,7 +5,7 @@ Support module for tests/test_site.py (no tests here). ``check_pages`` serves a 
 ``/usr/bin/chromium`` driven by Playwright (the pip wheel brings its own node driver; no
 browser is downloaded), and returns one ``PageReport`` per page: title, code blocks,
 captured-output blocks, copy buttons, what each copy button really copies, console errors,
-uncaught exceptions, failed requests, and a full-page screenshot.
+uncaught exceptions, failed requests, and a screenshot of what the reader sees first.
 
     from site_browser import check_pages
     reports = check_pages(HTML, ["index.html", "recipes/save_load_recipe.html"],
@@ -341,7 +341,8 @@ def _check_page(browser, base: str, page_path: str, screenshot_dir: Path, check_
         ]
         screenshot = screenshot_dir / Path(page_path).with_suffix(".png")
         screenshot.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(screenshot), full_page=True)  # before any "Copied!" tooltip
+        # The first screen only: a whole page costs a second or more each to encode.
+        page.screenshot(path=str(screenshot))  # before any "Copied!" tooltip
         copies = _check_copy_buttons(page) if check_copy else []
         return PageReport(
             page=page_path,
