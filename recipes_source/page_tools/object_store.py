@@ -165,7 +165,9 @@ class Store:
             )
         while not self.answers():
             if self.process.poll() is not None:
-                raise ObjectStoreError(f"weed exited with {self.process.returncode}: {self._tail()}")
+                raise ObjectStoreError(
+                    f"weed exited with {self.process.returncode}: {self._tail()}"
+                )
             if time.monotonic() - began > timeout_s:
                 self.stop()
                 raise ObjectStoreError(f"weed did not answer within {timeout_s:.0f} s")
@@ -291,7 +293,9 @@ class Store:
                 self.process.kill()
         self.kill()
         for port in self.grpc_ports():  # weed leaves its gRPC sockets in /tmp
-            Path("/tmp").joinpath(f"seaweedfs-{port[0]}-grpc-{port[1]}.sock").unlink(missing_ok=True)
+            Path("/tmp").joinpath(f"seaweedfs-{port[0]}-grpc-{port[1]}.sock").unlink(
+                missing_ok=True
+            )
         deadline = time.monotonic() + 10
         while self.bound_ports():
             if time.monotonic() > deadline:
@@ -341,17 +345,46 @@ def requests_per_save(store: Store):
     import torch.distributed.checkpoint as dcp
 
     def body(original: Any, call: observe.Call, keep: Any) -> Any:
-        dist.barrier()
-        before = store.requests() if dist.get_rank() == 0 else {}
+        grouped = dist.is_initialized()
+        if grouped:
+            dist.barrier()
+        first = not grouped or dist.get_rank() == 0
+        before = store.requests() if first else {}
         result = original(*call.args, **call.kwargs)
-        dist.barrier()
-        if dist.get_rank() == 0:
+        if grouped:
+            dist.barrier()
+        if first:
             after = store.requests()
             counts = {name: after[name] - before.get(name, 0) for name in sorted(after)}
             keep({"checkpoint": observe.checkpoint_id(call), "requests": counts})
         return result
 
     return observe.around(dcp, "save", body)
+
+
+# How each bad input must fail (the text ``how_it_fails`` returns, on the page).
+BAD_INPUTS = {
+    "wrong secret": "PermissionError in .* The request signature we calculated does not match",
+    "save, no bucket": "PermissionError in .* Access Denied",
+    "load, no bucket": "AssertionError in .* The specified bucket does not exist",
+    "no server": 'EndpointConnectionError in .* "http://127\\.0\\.0\\.1:1/',
+}
+
+
+def fails_fast(outcomes: dict[str, str], seconds: float) -> None:
+    """Decide, per bad input, that it failed as ``BAD_INPUTS`` says, within ``seconds``:
+    claim ``<what>-fails-fast`` (``outcomes``: what -> "<Error> in <s> s: <message>")."""
+    from page_tools import results
+
+    for what, pattern in BAD_INPUTS.items():
+        outcome = outcomes.get(what, "")
+        took = float(m[1]) if (m := re.search(r" in ([\d.]+) s", outcome)) else None
+        results.claim(
+            f"{re.sub('[^a-z]+', '-', what)}-fails-fast",
+            re.match(pattern, outcome) is not None and took is not None and took < seconds,
+            f"{what}: {outcome.split(' in ')[0]} in {took} s",
+            outcome=outcome,
+        )
 
 
 _saved_env: list[dict[str, str | None]] = []
