@@ -33,10 +33,11 @@ def results():
     return build_results(RECIPE)
 
 
-@pytest.fixture
-def s3_server(tmp_path):
-    """A SeaweedFS server with the page's bucket; ``AWS_*`` point at it while it runs."""
-    store = object_store.start(tmp_path / "s3", bucket="dcp-recipes")
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS server with the page's bucket, for both downloads (it takes seconds to
+    start); ``AWS_*`` point at it while it runs."""
+    store = object_store.start(tmp_path_factory.mktemp("s3"), bucket="dcp-recipes")
     try:
         yield store
     finally:
