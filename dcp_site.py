@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,7 @@ RECIPE_ORDER = (
     "stager_stream_recipe.py",
     "checkpoint_stall_benchmark.py",
     "save_load_speed_recipe.py",
+    "object_storage_recipe.py",
 )
 
 
@@ -102,7 +104,8 @@ def reset_recipe_outputs(gallery_conf: dict, fname: str | None, when: str) -> No
     """Sphinx-Gallery reset hook, before and after each recipe runs.
 
     Before: drop the recipe's stamp and artifacts of an earlier run, so a page
-    never shows stale ones. After: move the artifacts it wrote into the gallery.
+    never shows stale ones. After: stop any S3 server the page left running (a cell
+    failed before its last), and move the artifacts it wrote into the gallery.
     """
     if not fname:
         return
@@ -114,6 +117,9 @@ def reset_recipe_outputs(gallery_conf: dict, fname: str | None, when: str) -> No
         for suffix in ARTIFACTS:
             (gallery / f"{stem}{suffix}").unlink(missing_ok=True)
         return
+    object_store = sys.modules.get(f"{PAGE_PACKAGE}.object_store")
+    if object_store is not None:  # a page whose cell failed leaves no S3 server running
+        object_store.stop_all()
     for suffix in ARTIFACTS:
         written = confdir / SOURCE_DIR / f"{stem}{suffix}"
         if written.exists():

