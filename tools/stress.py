@@ -41,6 +41,8 @@ RANKS = 3
 LAUNCH_DEADLINE_S = 240
 RUN_DEADLINE_S = 300
 HF_RECIPES = ("hf_interop_recipe", "hf_import_recipe")
+# Pages whose download reads an S3 endpoint from AWS_*: each run gets a server of its own.
+S3_RECIPES = ("object_storage_recipe",)
 FIRST_ERROR = re.compile(r"^\S*(Error|Exception)\b.*$", re.M)
 
 
@@ -91,7 +93,7 @@ def _first_error(text: str) -> str:
 
 def one(kind: str, recipe: str) -> int:
     """``--one``: the run itself, in this process: a script or a notebook, at 3 ranks."""
-    with tempfile.TemporaryDirectory(prefix="dcp-stress-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="dcp-stress-") as scratch, _store_for(recipe, scratch):
         runner = RecipeRunner(Path(scratch))
         os.environ["DCP_RECIPES_TIMEOUT"] = str(LAUNCH_DEADLINE_S)
         if kind == "script":
@@ -101,6 +103,22 @@ def one(kind: str, recipe: str) -> int:
         runner.notebook(recipe, world_size=RANKS, timeout=RUN_DEADLINE_S)
         print(f"{recipe}.ipynb: every cell ran")
         return 0
+
+
+@contextlib.contextmanager
+def _store_for(recipe: str, scratch: str):
+    """A SeaweedFS server with the page's bucket, ``AWS_*`` pointing at it, for an S3 page."""
+    if recipe not in S3_RECIPES:
+        yield
+        return
+    sys.path.insert(0, str(ROOT / "recipes_source"))
+    from page_tools import object_store
+
+    store = object_store.start(scratch, bucket="dcp-recipes")
+    try:
+        yield
+    finally:
+        object_store.stop(store)
 
 
 def main(argv: list[str] | None = None) -> int:
