@@ -53,6 +53,8 @@ CHROMIUM_FLAGS = [
 ]
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen, as a reader reads
 PAGE_TIMEOUT_MS = 30_000
+# A cold start reads chromium (about 350 MB) from disk: under a busy disk that took over 30 s.
+LAUNCH_TIMEOUT_MS = 120_000
 # After "load", wait until the network has been quiet for 500 ms (async scripts, fonts),
 # but not longer than this: a page that keeps polling must not stall the test.
 SETTLE_TIMEOUT_MS = 5_000
@@ -264,7 +266,7 @@ def check_pages(
                 viewport=VIEWPORT,
                 # Lets the page read back what a copy button put on the clipboard.
                 permissions=["clipboard-read", "clipboard-write"],
-                timeout=PAGE_TIMEOUT_MS,
+                timeout=LAUNCH_TIMEOUT_MS,
             )
             try:
                 browser.add_init_script(RECORD_COPIES_JS)

@@ -75,3 +75,13 @@ def test_download_under_torchrun_on_two_ranks_skips_the_2d_cell(recipe_runner):
     assert "[rank1] bfloat16 checkpoint: torch.bfloat16 on disk -> torch.float32 model" in output
     assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
+
+
+def test_download_under_torchrun_on_four_ranks_runs_the_2d_cell(recipe_runner):
+    """``torchrun --nproc-per-node=4``: the 2-D cell trains and saves on torchrun's ranks."""
+    output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=4))
+    assert "[rank3] layers.0.weight (_StridedShard(dim=0, sf=2), Shard(dim=0)), local" in output
+    assert "[rank3] rank 3 of 4: layers.0.weight rows 16" in output
+    assert "skipped" not in output
+    assert_no_traceback(output)
+    assert recipe_runner.leftovers() == []
