@@ -14,6 +14,7 @@ from recipe_runner import HTML, ROOT, RecipeRunner
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that launch recipes or a browser (tens of seconds each) start first: the run
     then ends on short tests on every worker, not on one long test while the others idle."""
+
     def launches(item: pytest.Item) -> bool:
         return "recipe_runner" in item.fixturenames or item.get_closest_marker("browser")
 
