@@ -718,7 +718,108 @@ def _only_page_work(code: str, names: set[str]) -> bool:
     )
 
 
+# --------------------------------------------------------------------------
+# API names link to PyTorch's docs (intersphinx, from the inventory the repository keeps)
+# --------------------------------------------------------------------------
+
+# Written by tools/torch_inventory.py from the torch the site is built with; read offline.
+TORCH_INVENTORY = Path("_inventories", "torch.inv")
+DCP_MODULE = "torch.distributed.checkpoint"
+
+
+def torch_docs_url(confdir: str | os.PathLike = Path(__file__).parent) -> str:
+    """PyTorch's docs of the release the inventory was written from (its ``# Version:``)."""
+    with open(Path(confdir, TORCH_INVENTORY), "rb") as stream:
+        stream.readline(), stream.readline()
+        version = stream.readline().decode().split(":", 1)[1].strip()
+    major, minor = version.split(".")[:2]
+    return f"https://docs.pytorch.org/docs/{major}.{minor}/"
+
+
+def intersphinx_mapping(confdir: str | os.PathLike = Path(__file__).parent) -> dict:
+    """conf.py's ``intersphinx_mapping``: torch's docs, read from the repository's file."""
+    return {"torch": (torch_docs_url(confdir), str(Path(confdir, TORCH_INVENTORY)))}
+
+
+_LITERAL_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+# Bare names the prose uses for something else: ``load_state_dict()`` there is Stateful's or
+# nn.Module's method, not DCP's deprecated function of that name.
+_NOT_BARE = {"load_state_dict", "save_state_dict", "state_dict"}
+
+
+def dcp_target(text: str, names: dict[str, str], short: dict[str, str]) -> str | None:
+    """The inventory name an inline literal of the prose means, or None.
+
+    ``dcp.async_save`` and ``dcp.async_save()`` mean ``torch.distributed.checkpoint.async_save``;
+    a full name is itself; a bare ``DefaultStager`` or ``get_state_dict`` is the one DCP class
+    or function of that name (``short``), and a bare ``save`` or a method name is nothing.
+    """
+    text = text.strip()
+    text = text[:-2] if text.endswith("()") else text
+    if not _LITERAL_NAME.match(text):
+        return None
+    if text.startswith("dcp."):
+        text = DCP_MODULE + text[3:]
+    if text in names:
+        return text
+    return short.get(text)
+
+
+def _inventory_names(app: Sphinx) -> tuple[dict[str, str], dict[str, str]]:
+    """{full name: role} of the DCP names intersphinx knows, and {bare name: full name} of
+    the classes and functions among them whose bare name means one documented object."""
+    cached = getattr(app, "_dcp_inventory_names", None)
+    if cached is not None:
+        return cached
+    from sphinx.ext.intersphinx import InventoryAdapter
+
+    names, by_uri = {}, {}
+    for role, items in InventoryAdapter(app.env).main_inventory.items():
+        for name, item in items.items():
+            if role.startswith("py:") and name.startswith(DCP_MODULE):
+                names[name] = role
+                if role in ("py:class", "py:function"):
+                    by_uri.setdefault(name.rsplit(".", 1)[1], {}).setdefault(item[2], name)
+    short = {}
+    for bare, targets in by_uri.items():
+        if len(targets) == 1 and (bare[0].isupper() or "_" in bare) and bare not in _NOT_BARE:
+            short[bare] = min(targets.values(), key=len)
+    app._dcp_inventory_names = (names, short)
+    return names, short
+
+
+def link_dcp_literals(app: Sphinx, doctree) -> None:
+    """``doctree-read``: an inline literal of the prose that names a DCP object
+    (````dcp.async_save````, ````DefaultStager````) becomes a ``py:obj`` cross-reference,
+    which intersphinx resolves to PyTorch's docs, as a ``:func:`` role would."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    names, short = _inventory_names(app)
+    for literal in list(doctree.findall(nodes.literal)):
+        if isinstance(literal.parent, (nodes.reference, addnodes.pending_xref)):
+            continue
+        if isinstance(literal.parent, nodes.literal_block) or "xref" in literal["classes"]:
+            continue
+        target = dcp_target(literal.astext(), names, short)
+        if target is None:
+            continue
+        xref = addnodes.pending_xref(
+            "",
+            refdomain="py",
+            reftype="obj",
+            reftarget=target,
+            refexplicit=True,
+            refwarn=False,
+            refdoc=app.env.docname,
+        )
+        literal["classes"] += ["xref", "py", "py-obj"]
+        literal.replace_self(xref)
+        xref += literal
+
+
 def setup(app: Sphinx) -> dict:
+    app.connect("doctree-read", link_dcp_literals)
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
     app.connect("builder-inited", _start_quick_start, priority=100)
