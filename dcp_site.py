@@ -685,6 +685,12 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     ]
 
 
+def reread_version_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
+    """``env-get-outdated``: the landing page and "PyTorch versions" show the committed
+    matrix (``insert_torch_versions``): read them again, as the recipe pages are."""
+    return [name for name in ("index", "versions") if name in env.found_docs]
+
+
 def mark_page_work(app: Sphinx, doctree) -> None:
     """``doctree-read``: give a recipe page's own cells (its proofs, its measurements) the
     class ``dcp-page-work``, so that a reader tells them from the recipe at a glance."""
@@ -716,6 +722,202 @@ def _only_page_work(code: str, names: set[str]) -> bool:
     return bool(body) and all(
         is_page_statement(n, names) or is_page_wrapper(n, names) for n in body
     )
+
+
+# --------------------------------------------------------------------------
+# Which torch each recipe runs on: the version matrix (make versions, tools/versions.py)
+# --------------------------------------------------------------------------
+
+# The releases readers run; `make versions` measures each (TORCH=x.y.z for one).
+TORCH_VERSIONS = ("2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
+VERSION_RESULTS = Path("_versions", "results.json")  # written by tools/versions.py, committed
+VERSIONS_COMMAND = "make versions"
+# Scripts the matrix runs beside the recipes: a reader's way through a known failure.
+WORKAROUNDS = {
+    "fresh_stager_per_save": {
+        "script": "tools/version_checks/fresh_stager_per_save.py",
+        "title": "Workaround: a fresh DefaultStager per save",
+        "fixes": "reused-stager-keyerror",
+    },
+}
+# A failure's first line -> (troubleshooting label, what to do on that torch).
+KNOWN_FAILURES = (
+    (
+        re.compile(r"KeyError: <class 'type'>"),
+        "reused-stager-keyerror",
+        "use a fresh ``DefaultStager`` per save (close it once its upload is done)",
+    ),
+)
+
+
+# The line a recipe's Prerequisites card has in place of a hand-written torch version, and
+# the landing page's cards in their footers: the build writes what the matrix measured.
+RUNS_ON_MARKER = "PyTorch: see :doc:`/versions`"
+CARD_MARKER = "|torch-versions|"
+MATRIX_MARKER = ".. dcp-version-matrix::"
+
+
+def load_version_results(confdir: str | os.PathLike = Path(__file__).parent) -> dict:
+    path = Path(confdir, VERSION_RESULTS)
+    return json.loads(path.read_text()) if path.exists() else {"versions": {}}
+
+
+def known_failure(error: str) -> tuple[str, str] | None:
+    """(troubleshooting label, what to do) for a failure this site knows, else None."""
+    for pattern, label, advice in KNOWN_FAILURES:
+        if pattern.search(error or ""):
+            return label, advice
+    return None
+
+
+def recipe_versions(results: dict, stem: str) -> dict:
+    """{"passed": [versions], "failed": [(version, outcome)], "unmeasured": [versions]}."""
+    found = {"passed": [], "failed": [], "unmeasured": []}
+    for version in TORCH_VERSIONS:
+        outcome = results.get("versions", {}).get(version, {}).get("recipes", {}).get(stem)
+        if outcome is None:
+            found["unmeasured"].append(version)
+        elif outcome["status"] == "passed":
+            found["passed"].append(version)
+        else:
+            found["failed"].append((version, outcome))
+    return found
+
+
+def _literal(text: str, limit: int = 140) -> str:
+    text = " ".join(text.split()).replace("`", "'")
+    return "``" + (text if len(text) <= limit else text[: limit - 1] + "…") + "``"
+
+
+def _measure_command(versions: list[str]) -> str:
+    return f"``{VERSIONS_COMMAND} TORCH={versions[0]}``" + (
+        " (one version; ``make versions`` for all)" if len(versions) > 1 else ""
+    )
+
+
+def runs_on_text(results: dict, stem: str) -> str:
+    """A recipe's Prerequisites line, from the committed matrix: where it ran, where it
+    failed (first line, and what to do where the failure is known), what is not measured."""
+    found = recipe_versions(results, stem)
+    parts = []
+    if found["passed"]:
+        parts.append(f"PyTorch {', '.join(found['passed'])}: ran there")
+    by_error: dict[str, list[str]] = {}
+    for version, outcome in found["failed"]:
+        by_error.setdefault(outcome.get("error", ""), []).append(version)
+    for error, versions in by_error.items():
+        known = known_failure(error)
+        said = f"fails on {', '.join(versions)}: {_literal(error)}"
+        if known:
+            said += f" (:ref:`{known[0]}`: {known[1]})"
+        parts.append(said)
+    if found["unmeasured"]:
+        versions = found["unmeasured"]
+        parts.append(f"not yet measured on {', '.join(versions)}: {_measure_command(versions)}")
+    text = "; ".join(parts)
+    return (text if text.startswith("PyTorch") else "PyTorch " + text) + " (:doc:`/versions`)"
+
+
+def card_text(results: dict, stem: str) -> str:
+    """The landing page card's footer: the same facts, short."""
+    found = recipe_versions(results, stem)
+    parts = []
+    if found["passed"]:
+        parts.append(f"runs on torch {', '.join(found['passed'])}")
+    if found["failed"]:
+        parts.append(f"fails on {', '.join(v for v, _ in found['failed'])}")
+    if found["unmeasured"]:
+        parts.append(
+            f"not yet measured on {', '.join(found['unmeasured'])} (``{VERSIONS_COMMAND}``)"
+        )
+    return " · ".join(parts)
+
+
+def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
+    """The page "PyTorch versions": the versions measured, the matrix, each failure."""
+    confdir = Path(confdir)
+    measured = results.get("versions", {})
+    out = [".. list-table:: The releases and what measuring each took", "   :header-rows: 1", ""]
+    out += ["   * - torch", "     - build", "     - measured", "     - venv", "     - time"]
+    for version in TORCH_VERSIONS:
+        entry = measured.get(version)
+        if entry is None:
+            out += [
+                f"   * - {version}",
+                "     - not yet measured",
+                f"     - ``{VERSIONS_COMMAND} TORCH={version}``",
+                "     -",
+                "     -",
+            ]
+            continue
+        setup, run = entry.get("setup_seconds", "?"), entry.get("run_seconds", "?")
+        took = f"{setup} s to install, {run} s to run"
+        out += [
+            f"   * - {version}",
+            f"     - ``{entry['torch']}``",
+            f"     - {entry['date']}, {entry['machine']}",
+            f"     - {entry['venv_gb']} GB",
+            f"     - {took}",
+        ]
+    out += [
+        "",
+        ".. list-table:: Every recipe's download on every release",
+        "   :header-rows: 1",
+        "   :class: dcp-version-matrix",
+        "",
+        "   * - recipe",
+    ]
+    out += [f"     - {version}" for version in TORCH_VERSIONS]
+    failures = []
+    rows = [(stem, f":doc:`/{GALLERY_DIR}/{stem}`", "recipes") for stem in recipe_names(confdir)]
+    rows += [
+        (name, w["title"] + f" (``{w['script']}``)", "workarounds")
+        for name, w in WORKAROUNDS.items()
+    ]
+    for stem, title, kind in rows:
+        out.append(f"   * - {title}")
+        for version in TORCH_VERSIONS:
+            outcome = measured.get(version, {}).get(kind, {}).get(stem)
+            if outcome is None:
+                out.append("     - not yet measured")
+            elif outcome["status"] == "passed":
+                out.append(f"     - passed, {outcome['seconds']:.0f} s")
+            else:
+                failures.append((version, stem, title, outcome))
+                out.append(f"     - **failed** ({len(failures)}), {outcome['seconds']:.0f} s")
+    out += ["", "Failures", "--------", ""]
+    if not failures:
+        out.append("None measured.")
+    for number, (version, _stem, title, outcome) in enumerate(failures, 1):
+        known = known_failure(outcome.get("error", ""))
+        line = f"{number}. torch {version}, {title}: {_literal(outcome.get('error', ''), 300)}"
+        if outcome.get("where"):
+            line += f", raised at ``{outcome['where']}``"
+        if outcome.get("recipe_line") and outcome["recipe_line"] != outcome.get("where"):
+            line += f", from ``{outcome['recipe_line']}``"
+        line += "."
+        if known:
+            line += f" Known: :ref:`{known[0]}`; on that torch, {known[1]}."
+        out += [line, ""]
+    return "\n".join(out) + "\n"
+
+
+def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read``: the matrix's results into the recipe pages' Prerequisites cards, the
+    landing page's cards and the page "PyTorch versions"."""
+    results = load_version_results(app.confdir)
+    if docname.startswith(f"{GALLERY_DIR}/") and RUNS_ON_MARKER in source[0]:
+        stem = docname.split("/", 1)[1]
+        source[0] = source[0].replace(RUNS_ON_MARKER, runs_on_text(results, stem))
+    elif docname == "index" and CARD_MARKER in source[0]:
+        cards = re.split(r"(?m)^(?=\s*\.\. grid-item-card::)", source[0])
+        for i, card in enumerate(cards):
+            link = re.search(r":link: sphx_glr_recipes_(\w+)\.py", card)
+            if link and CARD_MARKER in card:
+                cards[i] = card.replace(CARD_MARKER, card_text(results, link.group(1)))
+        source[0] = "".join(cards)
+    elif docname == "versions":
+        source[0] = source[0].replace(MATRIX_MARKER, versions_page_rst(results, app.confdir))
 
 
 # --------------------------------------------------------------------------
@@ -820,11 +1022,13 @@ def link_dcp_literals(app: Sphinx, doctree) -> None:
 
 def setup(app: Sphinx) -> dict:
     app.connect("doctree-read", link_dcp_literals)
+    app.connect("source-read", insert_torch_versions)
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
     app.connect("builder-inited", _start_quick_start, priority=100)
     app.connect("source-read", _finish_quick_start)
     app.connect("env-get-outdated", reread_recipe_pages)
+    app.connect("env-get-outdated", reread_version_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)
