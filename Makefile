@@ -105,11 +105,12 @@ gpu-check:
 # recipe's script download run alone on each torch release of dcp_site.TORCH_VERSIONS, each
 # in a venv of its own outside the repository (~/.cache/dcp-recipes/torch-X, kept), at low
 # priority; the results go into _versions/results.json (committed), which the site renders.
-# TORCH=2.15.0 for one release; VERSIONS_ARGS passes options (--recipes a,b --timeout 600).
+# TORCH=2.15.0 for one release; CROSS=1: instead, checkpoints saved by each release with a
+# venv, loaded by each; VERSIONS_ARGS passes options (--recipes a,b --timeout 600).
 # The downloads come from $(BUILD)/html, built without executing anything if there is none.
 versions:
 	@test -n "$(wildcard $(BUILD)/html/_downloads/*/save_load_recipe.py)" || $(MAKE) html-noplot
-	nice -n 19 $(PYTHON) tools/versions.py $(if $(TORCH),--torch $(TORCH)) $(VERSIONS_ARGS)
+	nice -n 19 $(PYTHON) tools/versions.py $(if $(TORCH),--torch $(TORCH)) $(if $(CROSS),--cross) $(VERSIONS_ARGS)
 
 clean:
 	rm -rf $(BUILD) recipes

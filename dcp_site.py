@@ -888,18 +888,69 @@ def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
     out += ["", "Failures", "--------", ""]
     if not failures:
         out.append("None measured.")
+    groups: dict[tuple[str, str, str], list[tuple[int, str, dict]]] = {}
     for number, (version, _stem, title, outcome) in enumerate(failures, 1):
-        known = known_failure(outcome.get("error", ""))
-        line = f"{number}. torch {version}, {title}: {_literal(outcome.get('error', ''), 300)}"
-        if outcome.get("where"):
-            line += f", raised at ``{outcome['where']}``"
-        if outcome.get("recipe_line") and outcome["recipe_line"] != outcome.get("where"):
-            line += f", from ``{outcome['recipe_line']}``"
+        key = (version, outcome.get("error", ""), outcome.get("where", ""))
+        groups.setdefault(key, []).append((number, title, outcome))
+    for (version, error, where), failed in groups.items():
+        known = known_failure(error)
+        numbers = ", ".join(f"({number})" for number, _, _ in failed)
+        line = f"* {numbers} torch {version}: {_literal(error, 300)}"
+        line += f", raised at ``{where}``" if where else ""
         line += "."
         if known:
             line += f" Known: :ref:`{known[0]}`; on that torch, {known[1]}."
         out += [line, ""]
-    return "\n".join(out) + "\n"
+        for number, title, outcome in failed:
+            came = outcome.get("recipe_line", "")
+            out += [f"  * ({number}) {title}" + (f", from ``{came}``" if came else ""), ""]
+    return "\n".join(out + checkpoints_rst(results)) + "\n"
+
+
+def checkpoints_rst(results: dict) -> list[str]:
+    """The section "Checkpoints across versions": saved by a row's release, loaded by a
+    column's (``make versions CROSS=1``), each failure's first line and where it was raised."""
+    table = results.get("checkpoints", {})
+    out = ["", "Checkpoints across versions", "---------------------------", ""]
+    out += [
+        "A model's and its Adam optimizer's state dict, saved with ``dcp.save`` by one",
+        "release and loaded with ``dcp.load`` by another, in one process, every tensor",
+        f"compared (``tools/version_checks/cross_version.py``; ``{VERSIONS_COMMAND} CROSS=1``",
+        "runs it between every release that has a venv). A sharded (DTensor) checkpoint and",
+        "a Hugging Face export across versions are not measured yet.",
+        "",
+    ]
+    if not table:
+        return out + [f"Not yet measured: ``{VERSIONS_COMMAND} CROSS=1``.", ""]
+    out += [
+        ".. list-table:: Saved by (rows), loaded by (columns)",
+        "   :header-rows: 1",
+        "   :class: dcp-version-matrix",
+        "",
+        "   * - saved by",
+    ]
+    out += [f"     - {version}" for version in TORCH_VERSIONS]
+    failures = []
+    for saved_by in TORCH_VERSIONS:
+        row = table.get(saved_by)
+        out.append(f"   * - {saved_by}")
+        for loaded_by in TORCH_VERSIONS:
+            outcome = (row or {}).get("loaded_by", {}).get(loaded_by)
+            if outcome is None:
+                out.append("     - not yet measured")
+            elif outcome["status"] == "passed":
+                out.append("     - loads, equal")
+            else:
+                failures.append((saved_by, loaded_by, outcome))
+                out.append(f"     - **fails** (C{len(failures)})")
+    out.append("")
+    for number, (saved_by, loaded_by, outcome) in enumerate(failures, 1):
+        line = f"* C{number}. Saved by {saved_by}, loaded by {loaded_by}: "
+        line += _literal(outcome.get("error", ""), 300)
+        if outcome.get("where"):
+            line += f", raised at ``{outcome['where']}``"
+        out += [line + ".", ""]
+    return out
 
 
 def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:

@@ -232,14 +232,22 @@ def load_results() -> dict:
     return json.loads(path.read_text()) if path.exists() else {"versions": {}}
 
 
-def save_results(results: dict) -> None:
+def save_results(key: str, version: str | None, value: dict) -> None:
+    """Write one release's entry (or the checkpoints table) into the file as it is now:
+    another ``make versions`` may have written other entries meanwhile."""
     path = ROOT / VERSION_RESULTS
-    path.parent.mkdir(parents=True, exist_ok=True)
+    results = load_results()
+    if version is None:
+        results[key] = value
+    else:
+        results.setdefault(key, {})[version] = value
     results["command"] = VERSIONS_COMMAND
-    results["versions"] = dict(
-        sorted(results["versions"].items(), key=lambda kv: TORCH_VERSIONS.index(kv[0]))
-    )
-    path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+    for name in ("versions", "checkpoints"):
+        if name in results:
+            order = sorted(results[name].items(), key=lambda kv: TORCH_VERSIONS.index(kv[0]))
+            results[name] = dict(order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def machine() -> str:
@@ -249,8 +257,7 @@ def machine() -> str:
 def measure(version: str, downloads: dict[str, Path], timeout: int) -> None:
     venv, made = venv_for(version)
     python = venv / "bin" / "python"
-    results = load_results()
-    entry = results["versions"].get(version, {})
+    entry = load_results().get("versions", {}).get(version, {})
     entry.update(
         torch=made["torch"],
         python=platform.python_version(),
@@ -269,16 +276,65 @@ def measure(version: str, downloads: dict[str, Path], timeout: int) -> None:
         print(
             f"versions: torch {version} {stem}: {outcome['status']} {outcome['seconds']} s {said}"
         )
-        results["versions"][version] = entry
-        save_results(results)
+        save_results("versions", version, entry)
     for name, script in WORKAROUNDS.items():
         log = LOGS / f"torch-{version}" / f"{name}.log"
         outcome = run_script(python, ROOT / script["script"], timeout, log)
         entry["workarounds"][name] = outcome
         print(f"versions: torch {version} workaround {name}: {outcome['status']}")
     entry["run_seconds"] = round(time.monotonic() - start)
-    results["versions"][version] = entry
-    save_results(results)
+    save_results("versions", version, entry)
+
+
+CROSS_SCRIPT = ROOT / "tools" / "version_checks" / "cross_version.py"
+
+
+def cross_versions(versions: list[str], timeout: int) -> None:
+    """Save a checkpoint with each release's venv, load each one with every release's venv."""
+    ready = [v for v in versions if (CACHE / f"torch-{v}" / "dcp-recipes-ready.json").exists()]
+    table = load_results().get("checkpoints", {})
+    with tempfile.TemporaryDirectory(prefix="dcp-versions-cross-") as scratch:
+        saved = []
+        for version in ready:
+            python = CACHE / f"torch-{version}" / "bin" / "python"
+            log = LOGS / "checkpoints" / f"save-{version}.log"
+            outcome = run_cross(python, "save", Path(scratch, f"by-{version}"), timeout, log)
+            table.setdefault(version, {})["saved"] = outcome
+            print(f"versions: checkpoint saved by torch {version}: {outcome['status']}")
+            if outcome["status"] == "passed":
+                saved.append(version)
+        for by in saved:
+            for version in ready:
+                python = CACHE / f"torch-{version}" / "bin" / "python"
+                log = LOGS / "checkpoints" / f"{by}-loaded-by-{version}.log"
+                outcome = run_cross(python, "load", Path(scratch, f"by-{by}"), timeout, log)
+                table[by].setdefault("loaded_by", {})[version] = outcome
+                said = outcome.get("error", "")
+                print(f"versions: saved by {by}, loaded by {version}: {outcome['status']} {said}")
+    save_results("checkpoints", None, table)
+
+
+def run_cross(python: Path, mode: str, directory: Path, timeout: int, log: Path) -> dict:
+    start = time.monotonic()
+    done = subprocess.run(
+        ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), mode, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    output = done.stdout + done.stderr
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(output)
+    outcome = {
+        "status": "passed" if done.returncode == 0 else "failed",
+        "seconds": round(time.monotonic() - start, 1),
+    }
+    if done.returncode != 0:
+        error, where, _ = first_error(output, CROSS_SCRIPT.name)
+        outcome.update(error=error, where=where)
+    outcome["last_lines"] = [line for line in done.stdout.splitlines() if line.strip()][-1:]
+    return outcome
 
 
 def main() -> int:
@@ -287,11 +343,17 @@ def main() -> int:
     parser.add_argument("--recipes", help="comma-separated recipe names (default: all)")
     parser.add_argument("--timeout", type=int, default=RECIPE_TIMEOUT)
     parser.add_argument("--setup-only", action="store_true", help="make the venvs, run nothing")
+    parser.add_argument(
+        "--cross", action="store_true", help="only checkpoints across the releases with a venv"
+    )
     args = parser.parse_args()
     versions = [args.torch] if args.torch else list(TORCH_VERSIONS)
     unknown = set(versions) - set(TORCH_VERSIONS)
     if unknown:
         raise SystemExit(f"versions: {sorted(unknown)} not in {TORCH_VERSIONS} (dcp_site.py)")
+    if args.cross:
+        cross_versions(versions, args.timeout)
+        return 0
     recipes = args.recipes.split(",") if args.recipes else recipe_names(ROOT)
     with tempfile.TemporaryDirectory(prefix="dcp-versions-downloads-") as scratch:
         downloads = snapshot_downloads(recipes, Path(scratch))
