@@ -941,15 +941,37 @@ def checkpoints_rst(results: dict) -> list[str]:
             elif outcome["status"] == "passed":
                 out.append("     - loads, equal")
             else:
-                failures.append((saved_by, loaded_by, outcome))
-                out.append(f"     - **fails** (C{len(failures)})")
+                via = (row or {}).get("via_torch_save", {}).get(loaded_by)
+                failures.append((saved_by, loaded_by, outcome, via))
+                through = ""
+                if via is not None:
+                    through = (
+                        "; converted: loads" if via["status"] == "passed" else "; converted: fails"
+                    )
+                out.append(f"     - **fails** (C{len(failures)}){through}")
     out.append("")
-    for number, (saved_by, loaded_by, outcome) in enumerate(failures, 1):
+    if failures:
+        out += [
+            "Where a load fails, the way through is measured too: the release that saved the",
+            "checkpoint converts it to one ``torch.save`` file with",
+            ":func:`~torch.distributed.checkpoint.format_utils.dcp_to_torch_save`, and the",
+            "older one loads that with ``torch.load(path, weights_only=True)``, every value",
+            'compared ("converted" in the table).',
+            "",
+        ]
+    for number, (saved_by, loaded_by, outcome, via) in enumerate(failures, 1):
         line = f"* C{number}. Saved by {saved_by}, loaded by {loaded_by}: "
         line += _literal(outcome.get("error", ""), 300)
         if outcome.get("where"):
             line += f", raised at ``{outcome['where']}``"
-        out += [line + ".", ""]
+        line += "."
+        if via is not None and via["status"] == "passed":
+            line += (
+                f" Converted by {saved_by} and loaded with ``torch.load`` by {loaded_by}: equal."
+            )
+        elif via is not None:
+            line += f" Converted: {_literal(via.get('error', ''), 200)}."
+        out += [line, ""]
     return out
 
 

@@ -156,6 +156,32 @@ def test_versions_page_shows_the_whole_matrix(site):
                 assert outcome["error"].split()[0] in failures, (version, name)
 
 
+def test_checkpoints_across_versions_are_consistent_and_shown(site):
+    """Saved by one release, loaded by another: the file's table, and the page's."""
+    table = RESULTS.get("checkpoints", {})
+    for saved_by, row in table.items():
+        assert saved_by in TORCH_VERSIONS and row["saved"]["status"] in ("passed", "failed")
+        for loaded_by, outcome in row.get("loaded_by", {}).items():
+            assert loaded_by in TORCH_VERSIONS
+            assert outcome["status"] == "passed" or outcome["error"], (saved_by, loaded_by)
+    doc = soup(site / "versions.html")
+    section = doc.select_one("section#checkpoints-across-versions")
+    assert section is not None
+    if not table:
+        assert "make versions CROSS=1" in section.get_text()
+        return
+    rows = section.select("table tbody tr")
+    assert [r.select("td")[0].get_text(strip=True) for r in rows] == list(TORCH_VERSIONS)
+    for row in rows:
+        cells = [td.get_text(" ", strip=True) for td in row.select("td")]
+        for loaded_by, cell in zip(TORCH_VERSIONS, cells[1:], strict=True):
+            outcome = table.get(cells[0], {}).get("loaded_by", {}).get(loaded_by)
+            want = {None: "not yet measured", "passed": "loads"}.get(
+                outcome and outcome["status"], "fails"
+            )
+            assert cell.startswith(want), (cells[0], loaded_by, cell)
+
+
 # --------------------------------------------------------------------------
 # The renderer and the tool, on made-up results (no run, no build)
 # --------------------------------------------------------------------------
@@ -187,6 +213,31 @@ def test_runs_on_text_says_passed_failed_and_unmeasured():
     assert card_text(MADE_UP, "x").startswith("runs on torch 2.13.0 · fails on 2.11.0")
     nothing = runs_on_text({"versions": {}}, "x")
     assert nothing.startswith("PyTorch not yet measured on 2.9.1"), nothing
+
+
+def test_checkpoints_section_names_each_failure():
+    made_up = {
+        "checkpoints": {
+            "2.15.0": {
+                "saved": {"status": "passed", "seconds": 1.0},
+                "loaded_by": {
+                    "2.13.0": {
+                        "status": "failed",
+                        "seconds": 1.0,
+                        "error": "ValueError: too many values to unpack (expected 5)",
+                        "where": "torch/distributed/checkpoint/metadata.py:81 in __setstate__",
+                    },
+                    "2.15.0": {"status": "passed", "seconds": 1.0},
+                },
+                "via_torch_save": {"2.13.0": {"status": "passed", "seconds": 1.0}},
+            }
+        }
+    }
+    text = "\n".join(dcp_site.checkpoints_rst(made_up))
+    assert "     - **fails** (C1); converted: loads" in text and "     - loads, equal" in text
+    assert "loaded with ``torch.load`` by 2.13.0: equal" in text
+    assert "* C1. Saved by 2.15.0, loaded by 2.13.0: ``ValueError: too many values" in text
+    assert "metadata.py:81 in __setstate__``" in text
 
 
 TRACEBACK = """\

@@ -55,6 +55,7 @@ RUNTIME = ("torchdata", "transformers", "safetensors", "psutil")
 EXTRA_PINS = {"numpy": "2.4.6"}
 FREE_GB_NEEDED = 8  # a CUDA build of torch and its libraries take 5-6 GB
 RECIPE_TIMEOUT = 900  # seconds, one recipe's whole run (its launches have 300 s each)
+FORCE = False  # --force: measure the checkpoint pairs already in the results again
 
 
 def pins() -> list[str]:
@@ -290,34 +291,69 @@ CROSS_SCRIPT = ROOT / "tools" / "version_checks" / "cross_version.py"
 
 
 def cross_versions(versions: list[str], timeout: int) -> None:
-    """Save a checkpoint with each release's venv, load each one with every release's venv."""
+    """Save a checkpoint with each release's venv, load each one with every release's venv.
+
+    The checkpoints stay beside the venvs (``<cache>/checkpoints/by-X``), and a pair already
+    in the results is not measured again: a release added later costs its own row and
+    column only. ``--force`` measures every pair again."""
     ready = [v for v in versions if (CACHE / f"torch-{v}" / "dcp-recipes-ready.json").exists()]
     table = load_results().get("checkpoints", {})
-    with tempfile.TemporaryDirectory(prefix="dcp-versions-cross-") as scratch:
-        saved = []
+    store = CACHE / "checkpoints"
+
+    def python(version: str) -> Path:
+        return CACHE / f"torch-{version}" / "bin" / "python"
+
+    def checkpoint(version: str) -> Path:
+        return store / f"by-{version}"
+
+    for version in ready:
+        if table.get(version, {}).get("saved", {}).get("status") == "passed" and (
+            checkpoint(version).exists() and not FORCE
+        ):
+            continue
+        shutil.rmtree(checkpoint(version), ignore_errors=True)
+        log = LOGS / "checkpoints" / f"save-{version}.log"
+        outcome = run_cross(python(version), ["save", checkpoint(version)], timeout, log)
+        table[version] = {"saved": outcome}
+        print(f"versions: checkpoint saved by torch {version}: {outcome['status']}")
+        save_results("checkpoints", None, table)
+    saved = [v for v in ready if table.get(v, {}).get("saved", {}).get("status") == "passed"]
+    for by in saved:
         for version in ready:
-            python = CACHE / f"torch-{version}" / "bin" / "python"
-            log = LOGS / "checkpoints" / f"save-{version}.log"
-            outcome = run_cross(python, "save", Path(scratch, f"by-{version}"), timeout, log)
-            table.setdefault(version, {})["saved"] = outcome
-            print(f"versions: checkpoint saved by torch {version}: {outcome['status']}")
-            if outcome["status"] == "passed":
-                saved.append(version)
-        for by in saved:
-            for version in ready:
-                python = CACHE / f"torch-{version}" / "bin" / "python"
-                log = LOGS / "checkpoints" / f"{by}-loaded-by-{version}.log"
-                outcome = run_cross(python, "load", Path(scratch, f"by-{by}"), timeout, log)
-                table[by].setdefault("loaded_by", {})[version] = outcome
-                said = outcome.get("error", "")
-                print(f"versions: saved by {by}, loaded by {version}: {outcome['status']} {said}")
-    save_results("checkpoints", None, table)
+            if version in table[by].get("loaded_by", {}) and not FORCE:
+                continue
+            log = LOGS / "checkpoints" / f"{by}-loaded-by-{version}.log"
+            outcome = run_cross(python(version), ["load", checkpoint(by)], timeout, log)
+            table[by].setdefault("loaded_by", {})[version] = outcome
+            said = outcome.get("error", "")
+            print(f"versions: saved by {by}, loaded by {version}: {outcome['status']} {said}")
+            save_results("checkpoints", None, table)
+    # The way through where a load failed: the saving release converts the checkpoint to one
+    # torch.save file (dcp_to_torch_save), the other loads that with torch.load.
+    for by in saved:
+        loads = table[by].get("loaded_by", {})
+        failed = [v for v, o in loads.items() if o["status"] != "passed" and v in ready]
+        failed = [v for v in failed if v not in table[by].get("via_torch_save", {}) or FORCE]
+        if not failed:
+            continue
+        converted = store / f"by-{by}.pt"
+        log = LOGS / "checkpoints" / f"convert-{by}.log"
+        converting = run_cross(python(by), ["convert", checkpoint(by), converted], timeout, log)
+        for version in failed:
+            outcome = converting
+            if converting["status"] == "passed":
+                log = LOGS / "checkpoints" / f"{by}-torch-save-loaded-by-{version}.log"
+                outcome = run_cross(python(version), ["load-torch-save", converted], timeout, log)
+            table[by].setdefault("via_torch_save", {})[version] = outcome
+            said = f"saved by {by}, dcp_to_torch_save, torch.load by {version}"
+            print(f"versions: {said}: {outcome['status']}")
+            save_results("checkpoints", None, table)
 
 
-def run_cross(python: Path, mode: str, directory: Path, timeout: int, log: Path) -> dict:
+def run_cross(python: Path, args: list, timeout: int, log: Path) -> dict:
     start = time.monotonic()
     done = subprocess.run(
-        ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), mode, str(directory)],
+        ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -346,12 +382,15 @@ def main() -> int:
     parser.add_argument(
         "--cross", action="store_true", help="only checkpoints across the releases with a venv"
     )
+    parser.add_argument("--force", action="store_true", help="--cross: every pair again")
     args = parser.parse_args()
     versions = [args.torch] if args.torch else list(TORCH_VERSIONS)
     unknown = set(versions) - set(TORCH_VERSIONS)
     if unknown:
         raise SystemExit(f"versions: {sorted(unknown)} not in {TORCH_VERSIONS} (dcp_site.py)")
     if args.cross:
+        global FORCE
+        FORCE = args.force
         cross_versions(versions, args.timeout)
         return 0
     recipes = args.recipes.split(",") if args.recipes else recipe_names(ROOT)

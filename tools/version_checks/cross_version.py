@@ -6,6 +6,11 @@ each pair in ``_versions/results.json`` (``checkpoints``). The checkpoint is a m
 its Adam optimizer's state dict, after one step, saved with ``dcp.save`` in one process;
 ``load`` loads it into a fresh model and optimizer with ``dcp.load`` and compares every
 tensor. Exit status 0: loaded back equal. It needs torch only.
+
+Where a release cannot load another's checkpoint, the way through is measured too: the
+release that saved it converts it to one ``torch.save`` file
+(``convert DIR FILE``: ``dcp_to_torch_save``), and the other loads that with ``torch.load``
+(``load-torch-save FILE``), every value compared.
 """
 
 import os
@@ -14,6 +19,7 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 
 def model_and_optimizer(seed):
@@ -40,26 +46,35 @@ def flat(tree, prefix=""):
         yield prefix.rstrip("."), tree
 
 
-def main(mode, directory):
+def same(value, other):
+    if torch.is_tensor(value) or torch.is_tensor(other):
+        return torch.is_tensor(value) and torch.is_tensor(other) and torch.equal(value, other)
+    return value == other
+
+
+def main(mode, path, *more):
     saved = state(*model_and_optimizer(seed=0))
     if mode == "save":
-        dcp.save(saved, checkpoint_id=directory)
-        print(f"torch {torch.__version__} saved {directory}")
+        dcp.save(saved, checkpoint_id=path)
+        print(f"torch {torch.__version__} saved {path}")
         return 0
-    loaded = state(*model_and_optimizer(seed=1))  # other values, same structure
-    dcp.load(loaded, checkpoint_id=directory)
+    if mode == "convert":
+        dcp_to_torch_save(path, more[0])
+        print(f"torch {torch.__version__} converted {path} to {more[0]}")
+        return 0
+    if mode == "load-torch-save":
+        loaded = torch.load(path, weights_only=True)
+    else:
+        loaded = state(*model_and_optimizer(seed=1))  # other values, same structure
+        dcp.load(loaded, checkpoint_id=path)
     want, got = dict(flat(saved)), dict(flat(loaded))
-    differ = [
-        key
-        for key, value in want.items()
-        if not (torch.equal(value, got[key]) if torch.is_tensor(value) else value == got[key])
-    ]
+    differ = [key for key, value in want.items() if not same(value, got.get(key))]
     if differ:
-        print(f"torch {torch.__version__} loaded {directory}: {len(differ)} values differ")
+        print(f"torch {torch.__version__} loaded {path}: {len(differ)} values differ: {differ[:3]}")
         return 1
-    print(f"torch {torch.__version__} loaded {directory}: {len(want)} values equal")
+    print(f"torch {torch.__version__} loaded {path}: {len(want)} values equal")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], os.path.abspath(sys.argv[2])))
+    sys.exit(main(sys.argv[1], *map(os.path.abspath, sys.argv[2:])))
