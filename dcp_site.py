@@ -1072,8 +1072,8 @@ def link_dcp_literals(app: Sphinx, doctree) -> None:
 
     names, short = _inventory_names(app)
     for literal in list(doctree.findall(nodes.literal)):
-        if isinstance(literal.parent, (nodes.reference, addnodes.pending_xref)):
-            continue
+        if isinstance(literal.parent, (nodes.reference, addnodes.pending_xref, nodes.title)):
+            continue  # a title stays the page's own heading, not a link off the site
         if isinstance(literal.parent, nodes.literal_block) or "xref" in literal["classes"]:
             continue
         target = dcp_target(literal.astext(), names, short)
