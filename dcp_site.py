@@ -874,6 +874,13 @@ def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
         (name, w["title"] + f" (``{w['script']}``)", "workarounds")
         for name, w in WORKAROUNDS.items()
     ]
+    # Failures numbered by release, then in reading order.
+    for version in TORCH_VERSIONS:
+        for stem, title, kind in rows:
+            outcome = measured.get(version, {}).get(kind, {}).get(stem)
+            if outcome is not None and outcome["status"] != "passed":
+                failures.append((version, stem, title, outcome))
+    number_of = {(version, stem): n for n, (version, stem, _, _) in enumerate(failures, 1)}
     for stem, title, kind in rows:
         out.append(f"   * - {title}")
         for version in TORCH_VERSIONS:
@@ -883,8 +890,8 @@ def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
             elif outcome["status"] == "passed":
                 out.append(f"     - passed, {outcome['seconds']:.0f} s")
             else:
-                failures.append((version, stem, title, outcome))
-                out.append(f"     - **failed** ({len(failures)}), {outcome['seconds']:.0f} s")
+                number = number_of[(version, stem)]
+                out.append(f"     - **failed** ({number}), {outcome['seconds']:.0f} s")
     out += ["", "Failures", "--------", ""]
     if not failures:
         out.append("None measured.")

@@ -157,13 +157,18 @@ def tracebacks(output: str, script: str) -> list[tuple[str, list[str], str]]:
     return found
 
 
+# Exceptions that carry another one's traceback in their message: the launcher's, and DCP's
+# CheckpointException (each failing rank's traceback follows it, "(RANK 0)").
+WRAPPERS = ("RankFailedError", "CheckpointException")
+
+
 def first_error(output: str, script: str) -> tuple[str, str, str]:
     """(first error line, where it came from, the recipe's line) of a failed run's output:
     the exception line that ends its first traceback, that traceback's deepest frame, and
     its last frame in the recipe itself. The launcher's own ``RankFailedError`` carries the
     failing rank's traceback in its message: that one comes first where there is one."""
     found = tracebacks(output, script)
-    ranks = [t for t in found if not t[0].startswith("RankFailedError")]
+    ranks = [t for t in found if not t[0].split(":")[0].endswith(WRAPPERS)]
     if ranks or found:
         error, frames, recipe_frame = (ranks or found)[0]
         return error, frames[-1], recipe_frame
@@ -287,6 +292,38 @@ def measure(version: str, downloads: dict[str, Path], timeout: int) -> None:
     save_results("versions", version, entry)
 
 
+def reparse() -> None:
+    """Each recorded failure's first line and place, read again from its run's log (after a
+    change to ``first_error``), without running anything."""
+    results = load_results()
+    for version, entry in results.get("versions", {}).items():
+        for kind in ("recipes", "workarounds"):
+            for name, outcome in entry.get(kind, {}).items():
+                log = LOGS / f"torch-{version}" / f"{name}.log"
+                if (
+                    outcome["status"] == "failed"
+                    and log.exists()
+                    and "timed out" not in outcome["error"]
+                ):
+                    script = (
+                        f"{name}.py"
+                        if kind == "recipes"
+                        else Path(WORKAROUNDS[name]["script"]).name
+                    )
+                    error, where, recipe_line = first_error(log.read_text(), script)
+                    outcome.update(error=error, where=where, recipe_line=recipe_line)
+        save_results("versions", version, entry)
+    table = results.get("checkpoints", {})
+    for by, row in table.items():
+        for kind, label in (("loaded_by", "loaded-by"), ("via_torch_save", "torch-save-loaded-by")):
+            for version, outcome in row.get(kind, {}).items():
+                log = LOGS / "checkpoints" / f"{by}-{label}-{version}.log"
+                if outcome["status"] == "failed" and log.exists():
+                    error, where, _ = first_error(log.read_text(), CROSS_SCRIPT.name)
+                    outcome.update(error=error, where=where)
+    save_results("checkpoints", None, table)
+
+
 CROSS_SCRIPT = ROOT / "tools" / "version_checks" / "cross_version.py"
 
 
@@ -383,11 +420,17 @@ def main() -> int:
         "--cross", action="store_true", help="only checkpoints across the releases with a venv"
     )
     parser.add_argument("--force", action="store_true", help="--cross: every pair again")
+    parser.add_argument(
+        "--reparse", action="store_true", help="read each failure's first error from its log again"
+    )
     args = parser.parse_args()
     versions = [args.torch] if args.torch else list(TORCH_VERSIONS)
     unknown = set(versions) - set(TORCH_VERSIONS)
     if unknown:
         raise SystemExit(f"versions: {sorted(unknown)} not in {TORCH_VERSIONS} (dcp_site.py)")
+    if args.reparse:
+        reparse()
+        return 0
     if args.cross:
         global FORCE
         FORCE = args.force
