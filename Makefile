@@ -17,7 +17,7 @@ WHEELS      := $(wildcard /opt/wheels)
 SYSTEM_PATH := $(PATH)
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv html html-noplot test lint pytest serve bench stress restart-trials gpu-check clean browser-deps
+.PHONY: help venv html html-noplot test lint pytest serve bench stress restart-trials gpu-check versions clean browser-deps
 
 help:
 	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
@@ -29,6 +29,7 @@ help:
 	@echo "make stress       every page's script and notebook at 3 ranks, the HF page 30 times"
 	@echo "make restart-trials  torchrun restarts on 1 and 2 agents, three ways to form the group"
 	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"
+	@echo "make versions     every recipe's download on torch 2.9-2.15 (TORCH=2.15.0 for one), into _versions/"
 	@echo "make clean        remove build output"
 	@echo "GALLERY_PATTERN=<regex> make html   execute only the matching recipes"
 
@@ -102,6 +103,17 @@ GPU_CHECK_PY = $(if $(or $(filter command line,$(origin PY)),$(wildcard $(PY))),
 gpu-check:
 	@echo "$(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)"
 	@PATH='$(SYSTEM_PATH)' $(GPU_CHECK_PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Not part of `make test` (about 5 minutes a release here, plus its first install): every
+# recipe's script download run alone on each torch release of dcp_site.TORCH_VERSIONS, each
+# in a venv of its own outside the repository (~/.cache/dcp-recipes/torch-X, kept), at low
+# priority; the results go into _versions/results.json (committed), which the site renders.
+# TORCH=2.15.0 for one release; CROSS=1: instead, checkpoints saved by each release with a
+# venv, loaded by each; VERSIONS_ARGS passes options (--recipes a,b --timeout 600).
+# The downloads come from $(BUILD)/html, built without executing anything if there is none.
+versions:
+	@test -n "$(wildcard $(BUILD)/html/_downloads/*/save_load_recipe.py)" || $(MAKE) html-noplot
+	nice -n 19 $(PYTHON) tools/versions.py $(if $(TORCH),--torch $(TORCH)) $(if $(CROSS),--cross) $(VERSIONS_ARGS)
 
 clean:
 	rm -rf $(BUILD) recipes

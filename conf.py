@@ -11,13 +11,21 @@ project = "DCP Recipes"
 author = "DCP Recipes contributors"
 copyright = "2026, DCP Recipes contributors"
 
+import dcp_site  # noqa: E402
+
 extensions = [
+    "sphinx.ext.intersphinx",
     "sphinx_gallery.gen_gallery",
     "myst_parser",
     "sphinx_design",
     "sphinx_copybutton",
     "dcp_site",
 ]
+
+# torch.distributed.checkpoint names in code and prose link to the docs of the torch the site
+# is built with, from the inventory in _inventories/ (tools/torch_inventory.py): no network.
+intersphinx_mapping = dcp_site.intersphinx_mapping()
+intersphinx_timeout = 5
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
@@ -36,6 +44,7 @@ exclude_patterns = [
     "sg_execution_times.rst",
     ".github",
     ".pytest_cache",
+    "_inventories",
 ]
 
 sphinx_gallery_conf = {
@@ -78,6 +87,9 @@ html_theme_options = {
     "show_pytorch_org_link": False,
     "use_edit_page_button": False,
     "secondary_sidebar_items": ["page-toc"],
+    # The header names this site, in the theme's own brand style, not PyTorch's logo: the
+    # site is not pytorch.org's documentation.
+    "logo": {"text": project},
     "article_header_end": [],
     "article_footer_items": [],
     "analytics_id": "",

@@ -693,6 +693,12 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     ]
 
 
+def reread_version_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
+    """``env-get-outdated``: the landing page and "PyTorch versions" show the committed
+    matrix (``insert_torch_versions``): read them again, as the recipe pages are."""
+    return [name for name in ("index", "versions") if name in env.found_docs]
+
+
 def mark_page_work(app: Sphinx, doctree) -> None:
     """``doctree-read``: give a recipe page's own cells (its proofs, its measurements) the
     class ``dcp-page-work``, so that a reader tells them from the recipe at a glance."""
@@ -726,12 +732,391 @@ def _only_page_work(code: str, names: set[str]) -> bool:
     )
 
 
+# --------------------------------------------------------------------------
+# Which torch each recipe runs on: the version matrix (make versions, tools/versions.py)
+# --------------------------------------------------------------------------
+
+# The releases readers run; `make versions` measures each (TORCH=x.y.z for one).
+TORCH_VERSIONS = ("2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
+VERSION_RESULTS = Path("_versions", "results.json")  # written by tools/versions.py, committed
+VERSIONS_COMMAND = "make versions"
+# Scripts the matrix runs beside the recipes: a reader's way through a known failure.
+WORKAROUNDS = {
+    "fresh_stager_per_save": {
+        "script": "tools/version_checks/fresh_stager_per_save.py",
+        "title": "Workaround: a fresh DefaultStager per save",
+        "fixes": "reused-stager-keyerror",
+    },
+}
+# A failure's first line -> (troubleshooting label, what to do on that torch).
+KNOWN_FAILURES = (
+    (
+        re.compile(r"KeyError: <class 'type'>"),
+        "reused-stager-keyerror",
+        "use a fresh ``DefaultStager`` per save (close it once its upload is done)",
+    ),
+)
+
+
+# The line a recipe's Prerequisites card has in place of a hand-written torch version, and
+# the landing page's cards in their footers: the build writes what the matrix measured.
+RUNS_ON_MARKER = "PyTorch: see :doc:`/versions`"
+CARD_MARKER = "|torch-versions|"
+MATRIX_MARKER = ".. dcp-version-matrix::"
+
+
+def load_version_results(confdir: str | os.PathLike = Path(__file__).parent) -> dict:
+    path = Path(confdir, VERSION_RESULTS)
+    return json.loads(path.read_text()) if path.exists() else {"versions": {}}
+
+
+def known_failure(error: str) -> tuple[str, str] | None:
+    """(troubleshooting label, what to do) for a failure this site knows, else None."""
+    for pattern, label, advice in KNOWN_FAILURES:
+        if pattern.search(error or ""):
+            return label, advice
+    return None
+
+
+def recipe_versions(results: dict, stem: str) -> dict:
+    """{"passed": [versions], "failed": [(version, outcome)], "unmeasured": [versions]}."""
+    found = {"passed": [], "failed": [], "unmeasured": []}
+    for version in TORCH_VERSIONS:
+        outcome = results.get("versions", {}).get(version, {}).get("recipes", {}).get(stem)
+        if outcome is None:
+            found["unmeasured"].append(version)
+        elif outcome["status"] == "passed":
+            found["passed"].append(version)
+        else:
+            found["failed"].append((version, outcome))
+    return found
+
+
+def _literal(text: str, limit: int = 140) -> str:
+    text = " ".join(text.split()).replace("`", "'")
+    return "``" + (text if len(text) <= limit else text[: limit - 1] + "…") + "``"
+
+
+def _measure_command(versions: list[str]) -> str:
+    return f"``{VERSIONS_COMMAND} TORCH={versions[0]}``" + (
+        " (one version; ``make versions`` for all)" if len(versions) > 1 else ""
+    )
+
+
+def runs_on_text(results: dict, stem: str) -> str:
+    """A recipe's Prerequisites line, from the committed matrix: where it ran, where it
+    failed (first line, and what to do where the failure is known), what is not measured."""
+    found = recipe_versions(results, stem)
+    parts = []
+    if found["passed"]:
+        parts.append(f"PyTorch {', '.join(found['passed'])}: ran there")
+    by_error: dict[str, list[str]] = {}
+    for version, outcome in found["failed"]:
+        by_error.setdefault(outcome.get("error", ""), []).append(version)
+    for error, versions in by_error.items():
+        known = known_failure(error)
+        said = f"fails on {', '.join(versions)}: {_literal(error)}"
+        if known:
+            said += f" (:ref:`{known[0]}`: {known[1]})"
+        parts.append(said)
+    if found["unmeasured"]:
+        versions = found["unmeasured"]
+        parts.append(f"not yet measured on {', '.join(versions)}: {_measure_command(versions)}")
+    text = "; ".join(parts)
+    return (text if text.startswith("PyTorch") else "PyTorch " + text) + " (:doc:`/versions`)"
+
+
+def card_text(results: dict, stem: str) -> str:
+    """The landing page card's footer: the same facts, short."""
+    found = recipe_versions(results, stem)
+    parts = []
+    if found["passed"]:
+        parts.append(f"runs on torch {', '.join(found['passed'])}")
+    if found["failed"]:
+        parts.append(f"fails on {', '.join(v for v, _ in found['failed'])}")
+    if found["unmeasured"]:
+        parts.append(
+            f"not yet measured on {', '.join(found['unmeasured'])} (``{VERSIONS_COMMAND}``)"
+        )
+    return " · ".join(parts)
+
+
+def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
+    """The page "PyTorch versions": the versions measured, the matrix, each failure."""
+    confdir = Path(confdir)
+    measured = results.get("versions", {})
+    out = [".. list-table:: The releases and what measuring each took", "   :header-rows: 1", ""]
+    out += ["   * - torch", "     - build", "     - measured", "     - venv", "     - time"]
+    for version in TORCH_VERSIONS:
+        entry = measured.get(version)
+        if entry is None:
+            out += [
+                f"   * - {version}",
+                "     - not yet measured",
+                f"     - ``{VERSIONS_COMMAND} TORCH={version}``",
+                "     -",
+                "     -",
+            ]
+            continue
+        setup, run = entry.get("setup_seconds", "?"), entry.get("run_seconds", "?")
+        took = f"{setup} s to install, {run} s to run"
+        out += [
+            f"   * - {version}",
+            f"     - ``{entry['torch']}``",
+            f"     - {entry['date']}, {entry['machine']}",
+            f"     - {entry['venv_gb']} GB",
+            f"     - {took}",
+        ]
+    out += [
+        "",
+        ".. list-table:: Every recipe's download on every release",
+        "   :header-rows: 1",
+        "   :class: dcp-version-matrix",
+        "",
+        "   * - recipe",
+    ]
+    out += [f"     - {version}" for version in TORCH_VERSIONS]
+    failures = []
+    rows = [(stem, f":doc:`/{GALLERY_DIR}/{stem}`", "recipes") for stem in recipe_names(confdir)]
+    rows += [
+        (name, w["title"] + f" (``{w['script']}``)", "workarounds")
+        for name, w in WORKAROUNDS.items()
+    ]
+    # Failures numbered by release, then in reading order.
+    for version in TORCH_VERSIONS:
+        for stem, title, kind in rows:
+            outcome = measured.get(version, {}).get(kind, {}).get(stem)
+            if outcome is not None and outcome["status"] != "passed":
+                failures.append((version, stem, title, outcome))
+    number_of = {(version, stem): n for n, (version, stem, _, _) in enumerate(failures, 1)}
+    for stem, title, kind in rows:
+        out.append(f"   * - {title}")
+        for version in TORCH_VERSIONS:
+            outcome = measured.get(version, {}).get(kind, {}).get(stem)
+            if outcome is None:
+                out.append("     - not yet measured")
+            elif outcome["status"] == "passed":
+                out.append(f"     - passed, {outcome['seconds']:.0f} s")
+            else:
+                number = number_of[(version, stem)]
+                out.append(f"     - **failed** ({number}), {outcome['seconds']:.0f} s")
+    out += ["", "Failures", "--------", ""]
+    if not failures:
+        out.append("None measured.")
+    groups: dict[tuple[str, str, str], list[tuple[int, str, dict]]] = {}
+    for number, (version, _stem, title, outcome) in enumerate(failures, 1):
+        key = (version, outcome.get("error", ""), outcome.get("where", ""))
+        groups.setdefault(key, []).append((number, title, outcome))
+    for (version, error, where), failed in groups.items():
+        known = known_failure(error)
+        numbers = ", ".join(f"({number})" for number, _, _ in failed)
+        line = f"* {numbers} torch {version}: {_literal(error, 300)}"
+        line += f", raised at ``{where}``" if where else ""
+        line += "."
+        if known:
+            line += f" Known: :ref:`{known[0]}`; on that torch, {known[1]}."
+        out += [line, ""]
+        for number, title, outcome in failed:
+            came = outcome.get("recipe_line", "")
+            out += [f"  * ({number}) {title}" + (f", from ``{came}``" if came else ""), ""]
+    return "\n".join(out + checkpoints_rst(results)) + "\n"
+
+
+def checkpoints_rst(results: dict) -> list[str]:
+    """The section "Checkpoints across versions": saved by a row's release, loaded by a
+    column's (``make versions CROSS=1``), each failure's first line and where it was raised."""
+    table = results.get("checkpoints", {})
+    out = ["", "Checkpoints across versions", "---------------------------", ""]
+    out += [
+        "A model's and its Adam optimizer's state dict, saved with ``dcp.save`` by one",
+        "release and loaded with ``dcp.load`` by another, in one process, every tensor",
+        f"compared (``tools/version_checks/cross_version.py``; ``{VERSIONS_COMMAND} CROSS=1``",
+        "runs it between every release that has a venv). A sharded (DTensor) checkpoint and",
+        "a Hugging Face export across versions are not measured yet.",
+        "",
+    ]
+    if not table:
+        return out + [f"Not yet measured: ``{VERSIONS_COMMAND} CROSS=1``.", ""]
+    out += [
+        ".. list-table:: Saved by (rows), loaded by (columns)",
+        "   :header-rows: 1",
+        "   :class: dcp-version-matrix",
+        "",
+        "   * - saved by",
+    ]
+    out += [f"     - {version}" for version in TORCH_VERSIONS]
+    failures = []
+    for saved_by in TORCH_VERSIONS:
+        row = table.get(saved_by)
+        out.append(f"   * - {saved_by}")
+        for loaded_by in TORCH_VERSIONS:
+            outcome = (row or {}).get("loaded_by", {}).get(loaded_by)
+            if outcome is None:
+                out.append("     - not yet measured")
+            elif outcome["status"] == "passed":
+                out.append("     - loads, equal")
+            else:
+                via = (row or {}).get("via_torch_save", {}).get(loaded_by)
+                failures.append((saved_by, loaded_by, outcome, via))
+                through = ""
+                if via is not None:
+                    through = (
+                        "; converted: loads" if via["status"] == "passed" else "; converted: fails"
+                    )
+                out.append(f"     - **fails** (C{len(failures)}){through}")
+    out.append("")
+    if failures:
+        out += [
+            "Where a load fails, the way through is measured too: the release that saved the",
+            "checkpoint converts it to one ``torch.save`` file with",
+            ":func:`~torch.distributed.checkpoint.format_utils.dcp_to_torch_save`, and the",
+            "older one loads that with ``torch.load(path, weights_only=True)``, every value",
+            'compared ("converted" in the table).',
+            "",
+        ]
+    for number, (saved_by, loaded_by, outcome, via) in enumerate(failures, 1):
+        line = f"* C{number}. Saved by {saved_by}, loaded by {loaded_by}: "
+        line += _literal(outcome.get("error", ""), 300)
+        if outcome.get("where"):
+            line += f", raised at ``{outcome['where']}``"
+        line += "."
+        if via is not None and via["status"] == "passed":
+            line += (
+                f" Converted by {saved_by} and loaded with ``torch.load`` by {loaded_by}: equal."
+            )
+        elif via is not None:
+            line += f" Converted: {_literal(via.get('error', ''), 200)}."
+        out += [line, ""]
+    return out
+
+
+def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read``: the matrix's results into the recipe pages' Prerequisites cards, the
+    landing page's cards and the page "PyTorch versions"."""
+    results = load_version_results(app.confdir)
+    if docname.startswith(f"{GALLERY_DIR}/") and RUNS_ON_MARKER in source[0]:
+        stem = docname.split("/", 1)[1]
+        source[0] = source[0].replace(RUNS_ON_MARKER, runs_on_text(results, stem))
+    elif docname == "index" and CARD_MARKER in source[0]:
+        cards = re.split(r"(?m)^(?=\s*\.\. grid-item-card::)", source[0])
+        for i, card in enumerate(cards):
+            link = re.search(r":link: sphx_glr_recipes_(\w+)\.py", card)
+            if link and CARD_MARKER in card:
+                cards[i] = card.replace(CARD_MARKER, card_text(results, link.group(1)))
+        source[0] = "".join(cards)
+    elif docname == "versions":
+        source[0] = source[0].replace(MATRIX_MARKER, versions_page_rst(results, app.confdir))
+
+
+# --------------------------------------------------------------------------
+# API names link to PyTorch's docs (intersphinx, from the inventory the repository keeps)
+# --------------------------------------------------------------------------
+
+# Written by tools/torch_inventory.py from the torch the site is built with; read offline.
+TORCH_INVENTORY = Path("_inventories", "torch.inv")
+DCP_MODULE = "torch.distributed.checkpoint"
+
+
+def torch_docs_url(confdir: str | os.PathLike = Path(__file__).parent) -> str:
+    """PyTorch's docs of the release the inventory was written from (its ``# Version:``)."""
+    with open(Path(confdir, TORCH_INVENTORY), "rb") as stream:
+        stream.readline(), stream.readline()
+        version = stream.readline().decode().split(":", 1)[1].strip()
+    major, minor = version.split(".")[:2]
+    return f"https://docs.pytorch.org/docs/{major}.{minor}/"
+
+
+def intersphinx_mapping(confdir: str | os.PathLike = Path(__file__).parent) -> dict:
+    """conf.py's ``intersphinx_mapping``: torch's docs, read from the repository's file."""
+    return {"torch": (torch_docs_url(confdir), str(Path(confdir, TORCH_INVENTORY)))}
+
+
+_LITERAL_NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+# Bare names the prose uses for something else: ``load_state_dict()`` there is Stateful's or
+# nn.Module's method, not DCP's deprecated function of that name.
+_NOT_BARE = {"load_state_dict", "save_state_dict", "state_dict"}
+
+
+def dcp_target(text: str, names: dict[str, str], short: dict[str, str]) -> str | None:
+    """The inventory name an inline literal of the prose means, or None.
+
+    ``dcp.async_save`` and ``dcp.async_save()`` mean ``torch.distributed.checkpoint.async_save``;
+    a full name is itself; a bare ``DefaultStager`` or ``get_state_dict`` is the one DCP class
+    or function of that name (``short``), and a bare ``save`` or a method name is nothing.
+    """
+    text = text.strip()
+    text = text[:-2] if text.endswith("()") else text
+    if not _LITERAL_NAME.match(text):
+        return None
+    if text.startswith("dcp."):
+        text = DCP_MODULE + text[3:]
+    if text in names:
+        return text
+    return short.get(text)
+
+
+def _inventory_names(app: Sphinx) -> tuple[dict[str, str], dict[str, str]]:
+    """{full name: role} of the DCP names intersphinx knows, and {bare name: full name} of
+    the classes and functions among them whose bare name means one documented object."""
+    cached = getattr(app, "_dcp_inventory_names", None)
+    if cached is not None:
+        return cached
+    from sphinx.ext.intersphinx import InventoryAdapter
+
+    names, by_uri = {}, {}
+    for role, items in InventoryAdapter(app.env).main_inventory.items():
+        for name, item in items.items():
+            if role.startswith("py:") and name.startswith(DCP_MODULE):
+                names[name] = role
+                if role in ("py:class", "py:function"):
+                    by_uri.setdefault(name.rsplit(".", 1)[1], {}).setdefault(item[2], name)
+    short = {}
+    for bare, targets in by_uri.items():
+        if len(targets) == 1 and (bare[0].isupper() or "_" in bare) and bare not in _NOT_BARE:
+            short[bare] = min(targets.values(), key=len)
+    app._dcp_inventory_names = (names, short)
+    return names, short
+
+
+def link_dcp_literals(app: Sphinx, doctree) -> None:
+    """``doctree-read``: an inline literal of the prose that names a DCP object
+    (````dcp.async_save````, ````DefaultStager````) becomes a ``py:obj`` cross-reference,
+    which intersphinx resolves to PyTorch's docs, as a ``:func:`` role would."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    names, short = _inventory_names(app)
+    for literal in list(doctree.findall(nodes.literal)):
+        if isinstance(literal.parent, (nodes.reference, addnodes.pending_xref, nodes.title)):
+            continue  # a title stays the page's own heading, not a link off the site
+        if isinstance(literal.parent, nodes.literal_block) or "xref" in literal["classes"]:
+            continue
+        target = dcp_target(literal.astext(), names, short)
+        if target is None:
+            continue
+        xref = addnodes.pending_xref(
+            "",
+            refdomain="py",
+            reftype="obj",
+            reftarget=target,
+            refexplicit=True,
+            refwarn=False,
+            refdoc=app.env.docname,
+        )
+        literal["classes"] += ["xref", "py", "py-obj"]
+        literal.replace_self(xref)
+        xref += literal
+
+
 def setup(app: Sphinx) -> dict:
+    app.connect("doctree-read", link_dcp_literals)
+    app.connect("source-read", insert_torch_versions)
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
     app.connect("builder-inited", _start_quick_start, priority=100)
     app.connect("source-read", _finish_quick_start)
     app.connect("env-get-outdated", reread_recipe_pages)
+    app.connect("env-get-outdated", reread_version_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)

@@ -23,8 +23,7 @@ and proves that the checkpoint holds the state at the moment of the save.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`: ``dcp.save``,
          ``dcp.load`` and the ``AppState`` wrapper

@@ -28,8 +28,7 @@ its spread; a difference smaller than its spread is noise, never advice.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_async_save_recipe.py` and
          :ref:`sphx_glr_recipes_default_stager_recipe.py`

@@ -26,8 +26,8 @@ rank its shards.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (the Hugging Face reader first shipped in
-         2.8), ``transformers`` 5 and ``safetensors``
+       * PyTorch: see :doc:`/versions`
+       * ``transformers`` 5 and ``safetensors``
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_hf_interop_recipe.py`
 

@@ -23,9 +23,8 @@ writing only its own shards. No rank ever holds the whole model.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (the Hugging Face reader and writer first
-         shipped in 2.8; consolidation as used here is what ``transformers``
-         itself requires 2.9 for), ``transformers`` 5 and ``safetensors``
+       * PyTorch: see :doc:`/versions`
+       * ``transformers`` 5 and ``safetensors``
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`
 

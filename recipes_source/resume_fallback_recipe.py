@@ -22,9 +22,8 @@ cause), and as a training script for ``torchrun``.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``); not
-         torch 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
-         (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
+       * torchdata 0.11 (``StatefulDataLoader``)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_resume_recipe.py`: the loop, its kills and restarts
 """

@@ -27,9 +27,8 @@ itself: :ref:`sphx_glr_recipes_torchrun_restart_recipe.py`.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, torchdata 0.11 (``StatefulDataLoader``); not
-         torch 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
-         (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
+       * torchdata 0.11 (``StatefulDataLoader``)
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: an overlapped save
 """

@@ -25,7 +25,7 @@ N ranks loads on M ranks, or into a plain model in a single process.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL)
        * `FSDP2 <https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html>`__
          basics

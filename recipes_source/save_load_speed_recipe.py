@@ -23,8 +23,7 @@ rank, and follows host memory over 20 saves with three strategies.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later (``DefaultStager``, ``StagingOptions``), but
-         not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_save_load_recipe.py` and
          :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`

@@ -28,8 +28,7 @@ failed.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, but not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
-         (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: the rules of an
          overlapped save

@@ -27,8 +27,7 @@ kind, and proves the fix, one synchronisation, bit-exact.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later, but not 2.11 or 2.12, whose ``DefaultStager`` cannot be reused
-         (:ref:`reused-stager-keyerror`)
+       * PyTorch: see :doc:`/versions`
        * One GPU per rank (NCCL, plus gloo for checkpointing) for the race; on
          CPU (gloo) there is no stream, and the page shows no race
        * :ref:`sphx_glr_recipes_default_stager_recipe.py`: ``DefaultStager`` and

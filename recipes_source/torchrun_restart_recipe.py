@@ -26,7 +26,7 @@ on 2, 3 and 1 ranks, and checks each resume bit for bit.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_resume_recipe.py`: what a resume needs
 """

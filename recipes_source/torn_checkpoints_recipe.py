@@ -27,7 +27,7 @@ leaves a ``.metadata`` over one rank's data,
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_async_save_recipe.py`: a training loop with
          ``async_save`` and resuming from the newest complete checkpoint

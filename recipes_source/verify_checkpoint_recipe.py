@@ -24,7 +24,7 @@ one, on one with a truncated file and one with a missing file.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.9 or later
+       * PyTorch: see :doc:`/versions`
        * CPU (gloo) or one GPU per rank (NCCL, plus gloo for checkpointing)
        * :ref:`sphx_glr_recipes_torn_checkpoints_recipe.py`: what a save that
          cannot finish leaves behind

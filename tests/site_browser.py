@@ -75,6 +75,16 @@ INSPECT_JS = """
     output_blocks: outputs.length,
     output_blocks_with_copy_button: outputs.filter((o) => o.querySelector("button.copybtn")).length,
     run_stamp: (document.querySelector("div.dcp-run-stamp") || {}).innerText || "",
+    // The header's brand: the site's own name, as the theme styles it, and no logo image.
+    brand: (() => {
+      // The header has it twice (the wide navbar, the narrow screen's drawer): the shown one.
+      const brands = [...document.querySelectorAll("a.navbar-brand")];
+      const brand = brands.find((b) => b.offsetHeight > 0) || brands[0] || null;
+      if (brand === null) return {text: "", images: 0, visible: false, href: ""};
+      return {text: brand.innerText.trim(), images: brand.querySelectorAll("img").length,
+              visible: brand.offsetHeight > 0 && brand.offsetWidth > 0,
+              href: brand.getAttribute("href")};
+    })(),
     footer_visible: (() => {
       const footer = document.querySelector("footer.dcp-footer");
       return footer !== null && footer.offsetHeight > 0;
@@ -148,6 +158,8 @@ class PageReport:
     run_stamp: str  # text of the "Last executed" box, "" where there is none
     cookie_banners: int  # visible elements with "cookie" in their class or id: should be 0
     footer_visible: bool  # the site's own footer is on screen at the bottom of the page
+    # The header's brand: {"text", "images", "visible", "href"}: this site's name, no logo.
+    brand: dict = field(default_factory=dict)
     # The links under a recipe's title (download script, notebook, view source), with the
     # HTTP status each one answered when the browser fetched it.
     header_links: list = field(default_factory=list)
@@ -202,7 +214,8 @@ class PageReport:
             f"  copies: {sum(c.ok for c in self.copies)}/{len(self.copies)} exact"
             + (f" via {self.copies[0].source}" if self.copies else ""),
             f"  screenshot {self.screenshot}, {self.seconds:.1f} s",
-            f"  cookie banners {self.cookie_banners}, footer visible {self.footer_visible},"
+            f"  brand {self.brand}, cookie banners {self.cookie_banners},"
+            f" footer visible {self.footer_visible},"
             f" header links {self.header_links}",
             f"  overflowing sideways: {self.overflowing}",
         ]

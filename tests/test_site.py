@@ -27,9 +27,11 @@ from recipe_runner import (
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 
+import dcp_site
 from dcp_site import (
     ARTIFACTS,
     LAUNCHER_IMPORT,
+    dcp_target,
     is_page_statement,
     is_page_wrapper,
     launcher_code,
@@ -39,6 +41,7 @@ from dcp_site import (
     recipe_only,
     reread_recipe_pages,
     standalone_script,
+    torch_docs_url,
 )
 
 RECIPE_SOURCES = [RECIPES / f"{name}.py" for name in RECIPE_NAMES]
@@ -475,6 +478,81 @@ def test_site_chrome_is_this_sites_own(site):
             assert foreign not in html, f"{path.name}: {foreign}"
         footer = soup(path).select_one("footer.dcp-footer")
         assert footer is not None and "DCP Recipes contributors" in footer.get_text(), path.name
+        brand = soup(path).select_one("a.navbar-brand")
+        assert brand is not None and brand.get_text(strip=True) == "DCP Recipes", path.name
+        assert brand.select_one("span.logo__title") and not brand.select("img"), path.name
+
+
+# What the docs page of the torch the site is built with documents, by the names the pages use.
+DOCS_LINKS = {
+    "dcp.async_save": "torch.distributed.checkpoint.state_dict_saver.async_save",
+    "DefaultStager": "torch.distributed.checkpoint.staging.DefaultStager",
+    "StagingOptions": "torch.distributed.checkpoint.staging.StagingOptions",
+    "FileSystemWriter": "torch.distributed.checkpoint.FileSystemWriter",
+    "dcp.save": "torch.distributed.checkpoint.state_dict_saver.save",
+    "dcp.load": "torch.distributed.checkpoint.state_dict_loader.load",
+}
+
+
+def docs_links(doc: BeautifulSoup) -> tuple[set, set]:
+    """(text, anchor) of the links to PyTorch's docs in the page's code, and in its prose."""
+    base = torch_docs_url() + "distributed.checkpoint.html#"
+    code, prose = set(), set()
+    for link in doc.select(f'a[href^="{base}"]'):
+        found = (link.get_text(), link["href"][len(base) :])
+        (code if link.find_parent("pre") else prose).add(found)
+    return code, prose
+
+
+def test_dcp_names_link_to_the_docs_of_the_torch_the_site_runs(site):
+    """Code (Sphinx-Gallery's links) and prose link DCP's names to the docs, by intersphinx
+    from the inventory in _inventories/ (the build reads no network); make html-noplot too."""
+    assert torch_docs_url() == "https://docs.pytorch.org/docs/{}.{}/".format(
+        *torch.__version__.split(".")[:2]
+    ), "the inventory is not of the torch the site runs: tools/torch_inventory.py"
+    code, prose = set(), set()
+    for name in RECIPE_NAMES:
+        page_code, page_prose = docs_links(page(site, name))
+        code |= page_code
+        prose |= page_prose
+    for short, anchor in DOCS_LINKS.items():
+        texts = {text.rsplit(".", 1)[-1] for text, found in code if found == anchor}
+        assert short.rsplit(".", 1)[-1] in texts, f"code: {short} does not link to #{anchor}"
+        assert any(found == anchor for _, found in prose), f"prose: no link to #{anchor}"
+    conf = (ROOT / "conf.py").read_text()
+    assert "sphinx.ext.intersphinx" in conf and "intersphinx_mapping" in conf
+
+
+def test_the_docs_inventory_is_kept_and_current():
+    """The repository's inventory holds the issue's names and matches the installed torch."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import torch_inventory
+
+    (location,) = [loc for _, loc in dcp_site.intersphinx_mapping(ROOT).values()]
+    assert Path(location).is_file(), "intersphinx reads a file of the repository, no URL"
+    names = {name: uri for items in torch_inventory.read().values() for name, uri in items.items()}
+    for name in DOCS_LINKS.values():
+        assert names.get(name) == f"distributed.checkpoint.html#{name}", name
+    assert names["torch.distributed.checkpoint.async_save"].endswith("state_dict_saver.async_save")
+    checked = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "torch_inventory.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_prose_literals_link_only_names_dcp_documents():
+    names = {
+        "torch.distributed.checkpoint.async_save": "py:function",
+        "torch.distributed.checkpoint.staging.DefaultStager": "py:class",
+    }
+    short = {"DefaultStager": "torch.distributed.checkpoint.staging.DefaultStager"}
+    assert dcp_target("dcp.async_save()", names, short) == "torch.distributed.checkpoint.async_save"
+    assert dcp_target("DefaultStager", names, short) == short["DefaultStager"]
+    for other in ("dcp.save_everything", "stager.close()", "load_state_dict()", "x = 1", "save"):
+        assert dcp_target(other, names, short) is None, other
 
 
 def test_landing_page_has_a_card_per_recipe(site):
@@ -578,6 +656,9 @@ def test_pages_in_a_browser(site):
         assert Path(report.screenshot).exists() or (ROOT / "_build" / report.screenshot).exists()
     for report in reports:
         assert report.cookie_banners == 0 and report.footer_visible, report.summary()
+        brand = report.brand
+        assert brand["text"] == "DCP Recipes" and brand["visible"], report.summary()
+        assert brand["images"] == 0, f"the theme's PyTorch logo in the header: {report.summary()}"
     overflowing = {report.page: report.overflowing for report in reports if report.overflowing}
     assert overflowing == {}, "output wider than the column at 1280 px"
     for report in reports[1:]:

@@ -1,0 +1,451 @@
+"""``make versions``: every recipe's download, run as a reader runs it, on each torch release.
+
+For each torch version (``VERSIONS``, or ``--torch 2.15.0`` / ``make versions TORCH=2.15.0``
+for one), a virtual environment outside the repository (``~/.cache/dcp-recipes/torch-X``, or
+``$DCP_RECIPES_VERSIONS_CACHE``), made once and kept: that torch, and the recipes' other
+packages at requirements.txt's pins. Then every page's script download
+(``_build/html/_downloads/*/<recipe>.py``, which ``make html-noplot`` writes) runs alone in an
+empty directory, ``python <recipe>.py`` (2 ranks on CPU), at low priority (``nice -n 19``),
+and so does ``tools/version_checks/fresh_stager_per_save.py``, the workaround for the
+stager reuse that fails on 2.11 and 2.12. Each run's outcome goes into
+``_versions/results.json`` (committed): passed, or the first error line and where it came
+from (the deepest frame of its traceback, and the recipe's own line), and its duration.
+The site renders the cards' "runs on" lines and the page "PyTorch versions" from that file.
+
+This machine's pip caps torch through a global constraints file (PIP_CONSTRAINT in pip's
+configuration): each venv's pip calls get a constraints file of their own instead
+(``PIP_CONSTRAINT=<venv>/constraints.txt``, which pins that torch), the global file stays.
+On CI, ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`` gives CPU wheels
+(``X+cpu`` sorts above ``X`` and satisfies ``torch==X``).
+
+It needs only python3: no Sphinx, no repository venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from dcp_site import (  # noqa: E402
+    TORCH_VERSIONS,
+    VERSION_RESULTS,
+    VERSIONS_COMMAND,
+    WORKAROUNDS,
+    recipe_names,
+)
+
+DOWNLOADS = ROOT / "_build" / "html" / "_downloads"
+CACHE = Path(os.environ.get("DCP_RECIPES_VERSIONS_CACHE", "~/.cache/dcp-recipes")).expanduser()
+# The recipes' packages besides torch, at requirements.txt's pins; numpy has no line there
+# (torch and transformers pull it in): the version .venv resolves to.
+RUNTIME = ("torchdata", "transformers", "safetensors", "psutil")
+EXTRA_PINS = {"numpy": "2.4.6"}
+FREE_GB_NEEDED = 8  # a CUDA build of torch and its libraries take 5-6 GB
+RECIPE_TIMEOUT = 900  # seconds, one recipe's whole run (its launches have 300 s each)
+FORCE = False  # --force: measure the checkpoint pairs already in the results again
+
+
+def pins() -> list[str]:
+    found = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line.strip())
+        if match and match.group(1).lower() in RUNTIME:
+            found[match.group(1).lower()] = match.group(2)
+    missing = set(RUNTIME) - set(found)
+    if missing:
+        raise SystemExit(f"versions: requirements.txt pins none of {sorted(missing)}")
+    return [f"{name}=={version}" for name, version in {**found, **EXTRA_PINS}.items()]
+
+
+def gigabytes(path: Path) -> float:
+    total = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    return round(total / 1e9, 2)
+
+
+def venv_for(version: str) -> tuple[Path, dict]:
+    """The venv of one torch version, made if it is not there yet; with what it took."""
+    venv = CACHE / f"torch-{version}"
+    ready = venv / "dcp-recipes-ready.json"
+    wanted = [f"torch=={version}"] + pins()
+    if ready.exists():
+        made = json.loads(ready.read_text())
+        if made.get("requirements") == wanted:
+            return venv, made
+    free = shutil.disk_usage(CACHE.parent if not CACHE.exists() else CACHE).free / 1e9
+    if free < FREE_GB_NEEDED:
+        raise SystemExit(f"versions: {free:.1f} GB free, torch {version} needs ~6: not made")
+    print(f"versions: making {venv} (torch {version}; {free:.0f} GB free)", flush=True)
+    start = time.monotonic()
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    if not (venv / "bin" / "python").exists():  # else pip completes what an earlier run began
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text(f"torch=={version}\n")
+    # This venv's pip calls only: its own constraints in place of the machine's global cap.
+    env = dict(os.environ, PIP_CONSTRAINT=str(constraints), PIP_NO_CACHE_DIR="1")
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    subprocess.run(
+        ["nice", "-n", "19", str(venv / "bin" / "python"), "-m", "pip", "install", "-q"] + wanted,
+        check=True,
+        env=env,
+    )
+    probe = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    made = {
+        "requirements": wanted,
+        "torch": probe.stdout.strip(),
+        "setup_seconds": round(time.monotonic() - start),
+        "venv_gb": gigabytes(venv),
+    }
+    ready.write_text(json.dumps(made, indent=1) + "\n")
+    return venv, made
+
+
+def download(stem: str) -> Path:
+    found = sorted(DOWNLOADS.glob(f"*/{stem}.py"))
+    if not found:
+        raise SystemExit(f"versions: no download of {stem} in {DOWNLOADS}: make html-noplot")
+    return found[0]
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+_LABEL = re.compile(r"^\[rank\d+\]:? ?")  # the launcher's and torch's own rank labels
+
+
+def _short_path(path: str, script: str) -> str:
+    if os.path.basename(path) == script:
+        return script
+    return path.split("site-packages/", 1)[-1]
+
+
+def tracebacks(output: str, script: str) -> list[tuple[str, list[str], str]]:
+    """(exception line, frames, the recipe's last frame) of every traceback in the output."""
+    lines = [_LABEL.sub("", line) for line in output.splitlines()]
+    found = []
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last):" not in line:
+            continue
+        frames, recipe_frame = [], ""
+        for following in lines[i + 1 :]:
+            frame = _FRAME.match(following)
+            if frame:
+                where = f"{_short_path(frame[1], script)}:{frame[2]} in {frame[3]}"
+                frames.append(where)
+                if where.startswith(script):
+                    recipe_frame = where
+            elif frames and following.strip() and not following[0].isspace():
+                found.append((following.strip()[:300], frames, recipe_frame))
+                break
+    return found
+
+
+# Exceptions that carry another one's traceback in their message: the launcher's, and DCP's
+# CheckpointException (each failing rank's traceback follows it, "(RANK 0)").
+WRAPPERS = ("RankFailedError", "CheckpointException")
+
+
+def first_error(output: str, script: str) -> tuple[str, str, str]:
+    """(first error line, where it came from, the recipe's line) of a failed run's output:
+    the exception line that ends its first traceback, that traceback's deepest frame, and
+    its last frame in the recipe itself. The launcher's own ``RankFailedError`` carries the
+    failing rank's traceback in its message: that one comes first where there is one."""
+    found = tracebacks(output, script)
+    ranks = [t for t in found if not t[0].split(":")[0].endswith(WRAPPERS)]
+    if ranks or found:
+        error, frames, recipe_frame = (ranks or found)[0]
+        return error, frames[-1], recipe_frame
+    tail = [line.strip() for line in output.splitlines() if line.strip()]
+    return (tail[-1][:300] if tail else "no output"), "", ""
+
+
+def snapshot_downloads(recipes: list[str], into: Path) -> dict[str, Path]:
+    """Copies of the downloads, taken once: a build running meanwhile rewrites them (Sphinx
+    copies the gallery's file, then dcp_site writes the launcher in)."""
+    copies = {}
+    for stem in recipes:
+        text = download(stem).read_text()
+        if re.search(r"^\s*(from|import) page_tools", text, re.M):
+            raise SystemExit(f"versions: {stem}'s download is not a finished one: make html-noplot")
+        copies[stem] = into / f"{stem}.py"
+        copies[stem].write_text(text)
+    return copies
+
+
+LOGS = ROOT / "_build" / "versions"  # each run's whole output, torch-X/<recipe>.log
+
+
+def run_script(python: Path, script: Path, timeout: int, log: Path | None = None) -> dict:
+    """Run one download alone in an empty directory; passed, or its first error."""
+    with tempfile.TemporaryDirectory(prefix="dcp-versions-") as scratch:
+        local = Path(scratch, script.name)
+        shutil.copyfile(script, local)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DCP_RECIPES_")}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=scratch)
+        env.pop("PYTHONPATH", None)
+        start = time.monotonic()
+        process = subprocess.Popen(
+            ["nice", "-n", "19", str(python), local.name],
+            cwd=scratch,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = process.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            timed_out = True
+        seconds = round(time.monotonic() - start, 1)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(output)
+    result = {"status": "passed" if process.returncode == 0 else "failed", "seconds": seconds}
+    if timed_out:
+        result.update(status="failed", error=f"timed out after {timeout} s", where="")
+    elif process.returncode != 0:
+        error, where, recipe_line = first_error(output, script.name)
+        result.update(error=error, where=where, recipe_line=recipe_line)
+        result["exit_code"] = process.returncode
+    printed = [line for line in output.splitlines() if line.strip()]
+    result["last_lines"] = printed[-3:]
+    return result
+
+
+def load_results() -> dict:
+    path = ROOT / VERSION_RESULTS
+    return json.loads(path.read_text()) if path.exists() else {"versions": {}}
+
+
+def save_results(key: str, version: str | None, value: dict) -> None:
+    """Write one release's entry (or the checkpoints table) into the file as it is now:
+    another ``make versions`` may have written other entries meanwhile."""
+    path = ROOT / VERSION_RESULTS
+    results = load_results()
+    if version is None:
+        results[key] = value
+    else:
+        results.setdefault(key, {})[version] = value
+    results["command"] = VERSIONS_COMMAND
+    for name in ("versions", "checkpoints"):
+        if name in results:
+            order = sorted(results[name].items(), key=lambda kv: TORCH_VERSIONS.index(kv[0]))
+            results[name] = dict(order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def machine() -> str:
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, {platform.system()}, no GPU used"
+
+
+def measure(version: str, downloads: dict[str, Path], timeout: int) -> None:
+    venv, made = venv_for(version)
+    python = venv / "bin" / "python"
+    entry = load_results().get("versions", {}).get(version, {})
+    entry.update(
+        torch=made["torch"],
+        python=platform.python_version(),
+        machine=machine(),
+        date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        venv_gb=made["venv_gb"],
+        setup_seconds=made["setup_seconds"],
+    )
+    entry.setdefault("recipes", {})
+    entry.setdefault("workarounds", {})
+    start = time.monotonic()
+    for stem, script in downloads.items():
+        outcome = run_script(python, script, timeout, LOGS / f"torch-{version}" / f"{stem}.log")
+        entry["recipes"][stem] = outcome
+        said = outcome.get("error", "")
+        print(
+            f"versions: torch {version} {stem}: {outcome['status']} {outcome['seconds']} s {said}"
+        )
+        save_results("versions", version, entry)
+    for name, script in WORKAROUNDS.items():
+        log = LOGS / f"torch-{version}" / f"{name}.log"
+        outcome = run_script(python, ROOT / script["script"], timeout, log)
+        entry["workarounds"][name] = outcome
+        print(f"versions: torch {version} workaround {name}: {outcome['status']}")
+    entry["run_seconds"] = round(time.monotonic() - start)
+    save_results("versions", version, entry)
+
+
+def reparse() -> None:
+    """Each recorded failure's first line and place, read again from its run's log (after a
+    change to ``first_error``), without running anything."""
+    results = load_results()
+    for version, entry in results.get("versions", {}).items():
+        for kind in ("recipes", "workarounds"):
+            for name, outcome in entry.get(kind, {}).items():
+                log = LOGS / f"torch-{version}" / f"{name}.log"
+                if (
+                    outcome["status"] == "failed"
+                    and log.exists()
+                    and "timed out" not in outcome["error"]
+                ):
+                    script = (
+                        f"{name}.py"
+                        if kind == "recipes"
+                        else Path(WORKAROUNDS[name]["script"]).name
+                    )
+                    error, where, recipe_line = first_error(log.read_text(), script)
+                    outcome.update(error=error, where=where, recipe_line=recipe_line)
+        save_results("versions", version, entry)
+    table = results.get("checkpoints", {})
+    for by, row in table.items():
+        for kind, label in (("loaded_by", "loaded-by"), ("via_torch_save", "torch-save-loaded-by")):
+            for version, outcome in row.get(kind, {}).items():
+                log = LOGS / "checkpoints" / f"{by}-{label}-{version}.log"
+                if outcome["status"] == "failed" and log.exists():
+                    error, where, _ = first_error(log.read_text(), CROSS_SCRIPT.name)
+                    outcome.update(error=error, where=where)
+    save_results("checkpoints", None, table)
+
+
+CROSS_SCRIPT = ROOT / "tools" / "version_checks" / "cross_version.py"
+
+
+def cross_versions(versions: list[str], timeout: int) -> None:
+    """Save a checkpoint with each release's venv, load each one with every release's venv.
+
+    The checkpoints stay beside the venvs (``<cache>/checkpoints/by-X``), and a pair already
+    in the results is not measured again: a release added later costs its own row and
+    column only. ``--force`` measures every pair again."""
+    ready = [v for v in versions if (CACHE / f"torch-{v}" / "dcp-recipes-ready.json").exists()]
+    table = load_results().get("checkpoints", {})
+    store = CACHE / "checkpoints"
+
+    def python(version: str) -> Path:
+        return CACHE / f"torch-{version}" / "bin" / "python"
+
+    def checkpoint(version: str) -> Path:
+        return store / f"by-{version}"
+
+    for version in ready:
+        if table.get(version, {}).get("saved", {}).get("status") == "passed" and (
+            checkpoint(version).exists() and not FORCE
+        ):
+            continue
+        shutil.rmtree(checkpoint(version), ignore_errors=True)
+        log = LOGS / "checkpoints" / f"save-{version}.log"
+        outcome = run_cross(python(version), ["save", checkpoint(version)], timeout, log)
+        table[version] = {"saved": outcome}
+        print(f"versions: checkpoint saved by torch {version}: {outcome['status']}")
+        save_results("checkpoints", None, table)
+    saved = [v for v in ready if table.get(v, {}).get("saved", {}).get("status") == "passed"]
+    for by in saved:
+        for version in ready:
+            if version in table[by].get("loaded_by", {}) and not FORCE:
+                continue
+            log = LOGS / "checkpoints" / f"{by}-loaded-by-{version}.log"
+            outcome = run_cross(python(version), ["load", checkpoint(by)], timeout, log)
+            table[by].setdefault("loaded_by", {})[version] = outcome
+            said = outcome.get("error", "")
+            print(f"versions: saved by {by}, loaded by {version}: {outcome['status']} {said}")
+            save_results("checkpoints", None, table)
+    # The way through where a load failed: the saving release converts the checkpoint to one
+    # torch.save file (dcp_to_torch_save), the other loads that with torch.load.
+    for by in saved:
+        loads = table[by].get("loaded_by", {})
+        failed = [v for v, o in loads.items() if o["status"] != "passed" and v in ready]
+        failed = [v for v in failed if v not in table[by].get("via_torch_save", {}) or FORCE]
+        if not failed:
+            continue
+        converted = store / f"by-{by}.pt"
+        log = LOGS / "checkpoints" / f"convert-{by}.log"
+        converting = run_cross(python(by), ["convert", checkpoint(by), converted], timeout, log)
+        for version in failed:
+            outcome = converting
+            if converting["status"] == "passed":
+                log = LOGS / "checkpoints" / f"{by}-torch-save-loaded-by-{version}.log"
+                outcome = run_cross(python(version), ["load-torch-save", converted], timeout, log)
+            table[by].setdefault("via_torch_save", {})[version] = outcome
+            said = f"saved by {by}, dcp_to_torch_save, torch.load by {version}"
+            print(f"versions: {said}: {outcome['status']}")
+            save_results("checkpoints", None, table)
+
+
+def run_cross(python: Path, args: list, timeout: int, log: Path) -> dict:
+    start = time.monotonic()
+    done = subprocess.run(
+        ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    output = done.stdout + done.stderr
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(output)
+    outcome = {
+        "status": "passed" if done.returncode == 0 else "failed",
+        "seconds": round(time.monotonic() - start, 1),
+    }
+    if done.returncode != 0:
+        error, where, _ = first_error(output, CROSS_SCRIPT.name)
+        outcome.update(error=error, where=where)
+    outcome["last_lines"] = [line for line in done.stdout.splitlines() if line.strip()][-1:]
+    return outcome
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--torch", help="one version (default: all of them)")
+    parser.add_argument("--recipes", help="comma-separated recipe names (default: all)")
+    parser.add_argument("--timeout", type=int, default=RECIPE_TIMEOUT)
+    parser.add_argument("--setup-only", action="store_true", help="make the venvs, run nothing")
+    parser.add_argument(
+        "--cross", action="store_true", help="only checkpoints across the releases with a venv"
+    )
+    parser.add_argument("--force", action="store_true", help="--cross: every pair again")
+    parser.add_argument(
+        "--reparse", action="store_true", help="read each failure's first error from its log again"
+    )
+    args = parser.parse_args()
+    versions = [args.torch] if args.torch else list(TORCH_VERSIONS)
+    unknown = set(versions) - set(TORCH_VERSIONS)
+    if unknown:
+        raise SystemExit(f"versions: {sorted(unknown)} not in {TORCH_VERSIONS} (dcp_site.py)")
+    if args.reparse:
+        reparse()
+        return 0
+    if args.cross:
+        global FORCE
+        FORCE = args.force
+        cross_versions(versions, args.timeout)
+        return 0
+    recipes = args.recipes.split(",") if args.recipes else recipe_names(ROOT)
+    with tempfile.TemporaryDirectory(prefix="dcp-versions-downloads-") as scratch:
+        downloads = snapshot_downloads(recipes, Path(scratch))
+        for version in versions:
+            if args.setup_only:
+                print(venv_for(version))
+                continue
+            measure(version, downloads, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
