@@ -23,8 +23,8 @@ shown on CPU ranks with gloo (or one GPU per rank), and proved bit for bit.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later (run here with 2.13); ``transformers`` 5 and
-         ``peft`` 0.21 for the LoRA part
+       * PyTorch: see :doc:`/versions`
+       * ``transformers`` 5 and ``peft`` 0.21 for the LoRA part
        * CPU (gloo) or one GPU per rank (NCCL); the 2-D cell needs 4 ranks
        * :ref:`sphx_glr_recipes_partial_load_recipe.py`
 """

