@@ -292,9 +292,8 @@ def train(checkpoint_root, num_steps=NUM_STEPS):
 # do not count as retries", ``elastic/agent/server/api.py``), so across nodes
 # the ranks look for each other under different prefixes until the group
 # times out. Started with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, every round
-# publishes a new ``MASTER_PORT`` (a free port on node 0, picked, not held) to
-# every node, where worker rank 0 serves a new store (``env://``): nothing of
-# an earlier attempt is in it (rule 1).
+# publishes a new ``MASTER_PORT`` (free on node 0) to every node, where worker
+# rank 0 serves a new store (``env://``): no earlier attempt's keys (rule 1).
 
 TIMEOUT = datetime.timedelta(seconds=120)  # this page's choice, not torch's default
 
@@ -322,10 +321,8 @@ def init_process_group_for_restarts():
 #    torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=3 \
 #        --rdzv-backend=c10d --rdzv-endpoint=node0.example:29400 train.py
 #
-# ``torchrun`` there replaces ``run_on_ranks``, and the checkpoint root is a
-# directory every worker sees (here, one under ``shared_tempdir``). Further
-# below, this page starts itself that way, as a subprocess: the ``if`` after
-# ``main()`` runs it when ``torchrun`` starts this file.
+# ``torchrun`` replaces ``run_on_ranks``; the checkpoint root is a directory
+# every worker sees. Below, this page starts itself under torchrun (the ``if``).
 
 CHECKPOINTS_ENV = "TORCHRUN_RESTART_RECIPE_CHECKPOINTS"
 
@@ -342,7 +339,10 @@ def main(checkpoint_root):
 
 if __name__ == "__main__" and under_torchrun() and os.environ.get(CHECKPOINTS_ENV):
     main(os.environ[CHECKPOINTS_ENV])
-    sys.exit(0)
+    # gloo's threads outlive destroy_process_group() and can free a tensor while Python
+    # shuts down: the worker aborts ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # %%
