@@ -56,6 +56,15 @@ def build_results(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def assert_listed_claims_held(name: str, claims: dict) -> None:
+    """The build decided exactly the claims the page's manifest lists, and every one held."""
+    from page_tools import results
+
+    listed = results.manifest(name)["claims"]
+    assert set(claims) == set(listed), sorted(set(claims) ^ set(listed))
+    assert all(claims[claim]["held"] is True for claim in listed), claims
+
+
 def page_outputs(name: str) -> list[str]:
     """The text of every output block on the built page, in order."""
     page = HTML / "recipes" / f"{name}.html"

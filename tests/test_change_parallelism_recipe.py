@@ -9,8 +9,13 @@ tests read it. The download runs alone as a notebook on 4 ranks (the 2-D cell ru
 from __future__ import annotations
 
 import pytest
-from page_tools import results
-from recipe_runner import assert_no_traceback, assert_ok, build_results, page_outputs
+from recipe_runner import (
+    assert_listed_claims_held,
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    page_outputs,
+)
 
 RECIPE = "change_parallelism_recipe"
 RESHARDS = ["2d-to-2-ranks", "2d-to-3-ranks", "2d-to-1-process"]
@@ -22,9 +27,7 @@ def built():
 
 
 def test_every_listed_claim_held(built):
-    listed = results.manifest(RECIPE)["claims"]
-    assert set(built["claims"]) == set(listed)
-    assert all(built["claims"][name]["held"] is True for name in listed), built["claims"]
+    assert_listed_claims_held(RECIPE, built["claims"])
 
 
 @pytest.mark.parametrize("claim", RESHARDS)

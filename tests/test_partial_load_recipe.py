@@ -10,8 +10,13 @@ page shows.
 from __future__ import annotations
 
 import pytest
-from page_tools import results
-from recipe_runner import assert_no_traceback, assert_ok, build_results, page_outputs
+from recipe_runner import (
+    assert_listed_claims_held,
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    page_outputs,
+)
 
 RECIPE = "partial_load_recipe"
 NEW_LAYER = [
@@ -36,9 +41,7 @@ def claims():
 
 
 def test_every_listed_claim_held(claims):
-    listed = results.manifest(RECIPE)["claims"]
-    assert set(claims) == set(listed)
-    assert all(claims[name]["held"] is True for name in listed), claims
+    assert_listed_claims_held(RECIPE, claims)
 
 
 def test_metadata_and_the_command_line_list_every_tensor(claims):

@@ -14,8 +14,13 @@ from __future__ import annotations
 import ast
 
 import pytest
-from page_tools import results as page_results
-from recipe_runner import assert_no_traceback, assert_ok, build_results, recipe_path
+from recipe_runner import (
+    assert_listed_claims_held,
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    recipe_path,
+)
 
 RECIPE = "resume_fallback_recipe"
 TENSORS = 6 + 18 + 2  # as on the resume page: model, Adam, two RNG states
@@ -27,9 +32,7 @@ def claims():
 
 
 def test_every_listed_claim_held(claims):
-    listed = page_results.manifest(RECIPE)["claims"]
-    assert set(claims) == set(listed)
-    assert all(claims[name]["held"] is True for name in listed), claims
+    assert_listed_claims_held(RECIPE, claims)
 
 
 def test_the_fallback_resumed_from_the_checkpoint_before(claims):

@@ -19,6 +19,7 @@ import os
 import pytest
 from recipe_runner import (
     RECIPES,
+    assert_listed_claims_held,
     assert_no_traceback,
     assert_ok,
     build_results,
@@ -45,11 +46,7 @@ def claims(results):
 
 
 def test_every_listed_claim_held(claims):
-    from page_tools import results as page_results
-
-    listed = page_results.manifest(RECIPE)["claims"]
-    assert set(claims) == set(listed)
-    assert all(claims[name]["held"] is True for name in listed), claims
+    assert_listed_claims_held(RECIPE, claims)
 
 
 def test_the_worker_was_killed_in_attempt_0_and_torchrun_restarted_all(claims):

@@ -17,8 +17,7 @@ that ends with its last save complete.
 from __future__ import annotations
 
 import pytest
-from page_tools import results
-from recipe_runner import assert_no_traceback, assert_ok, build_results
+from recipe_runner import assert_listed_claims_held, assert_no_traceback, assert_ok, build_results
 
 RECIPE = "torn_checkpoints_recipe"
 TENSORS = 16  # 4 weights and biases, and Adam's exp_avg, exp_avg_sq and step for each
@@ -30,7 +29,7 @@ def claims():
 
 
 def test_every_listed_claim_held(claims):
-    assert all(claims[name]["held"] is True for name in results.manifest(RECIPE)["claims"])
+    assert_listed_claims_held(RECIPE, claims)
 
 
 def test_each_tear_happened_while_the_upload_was_held(claims):

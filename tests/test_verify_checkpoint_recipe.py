@@ -22,8 +22,13 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from page_tools import results
-from recipe_runner import assert_no_traceback, assert_ok, build_results, recipe_path
+from recipe_runner import (
+    assert_listed_claims_held,
+    assert_no_traceback,
+    assert_ok,
+    build_results,
+    recipe_path,
+)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 RECIPE = "verify_checkpoint_recipe"
@@ -36,9 +41,7 @@ def claims():
 
 
 def test_every_listed_claim_held(claims):
-    listed = results.manifest(RECIPE)["claims"]
-    assert set(claims) == set(listed)
-    assert all(claims[name]["held"] is True for name in listed), claims
+    assert_listed_claims_held(RECIPE, claims)
 
 
 def test_the_early_destroy_loads_one_ranks_data_without_an_error(claims):
