@@ -224,8 +224,9 @@ with (
 
 
 def saved_chunks(checkpoint_dir, fqn="app.model.layers.0.weight"):
-    if not is_complete(checkpoint_dir):  # the two single-process saves collided this time
-        print(f"files: {sorted(os.listdir(checkpoint_dir))}: no .metadata this time")
+    if not is_complete(checkpoint_dir):  # without the page's holds the race can end otherwise
+        files = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else "none"
+        print(f"files: {files}: no .metadata this time")
         return []
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
     tensor = metadata.state_dict_metadata[fqn]
