@@ -30,18 +30,20 @@ real S3 server (SeaweedFS) that it starts on loopback.
 # %%
 # Setup
 # -----
-# Every rank must reach the same bucket. The recipe reads the endpoint and the
-# credentials from the environment, as AWS's tools do. First the page starts
-# its server (next cell): SeaweedFS on free loopback ports, with a data
-# directory of its own; the page stops it at the end.
+# Every rank must reach the same bucket; the endpoint and the credentials come
+# from the environment, as for AWS's tools. The page starts its own server
+# (next cell: SeaweedFS on free loopback ports) and stops it at the end.
 
+import itertools
 import logging
+import math
 import os
 import re
 import shutil
 import textwrap
 import time
 
+import fsspec
 import s3fs
 import torch
 import torch.distributed as dist
@@ -71,9 +73,8 @@ results.claim(
 # Where the checkpoints go
 # ------------------------
 # ``FsspecWriter(url, **STORAGE_OPTIONS)`` hands the options to
-# ``s3fs.S3FileSystem``: endpoint, credentials, and botocore's timeouts and
-# retries (a dead server fails a save in seconds, not a minute per attempt).
-# The run's prefix is a name every rank derives alike (``shared_tempdir``'s).
+# ``s3fs.S3FileSystem``: endpoint, credentials, botocore's timeouts and retries
+# (a dead server fails a save in seconds). Every rank derives the same prefix.
 
 ENDPOINT = os.environ.get("AWS_ENDPOINT_URL")
 if not ENDPOINT:
@@ -165,10 +166,9 @@ def train_step(model, optimizer, step):
 # %%
 # Save to ``s3://``
 # -----------------
-# ``dcp.save`` is a collective, as on local disk: every rank uploads its own
-# shards as one object, then rank 0 uploads ``.metadata``. Here the
-# credentials are arguments of the writer (a job that talks to two stores
-# passes each its own).
+# ``dcp.save`` is a collective, as on local disk: every rank uploads its shards
+# as one object, then rank 0 uploads ``.metadata``. Here the credentials are
+# the writer's arguments (a job that talks to two stores passes each its own).
 
 
 def train_and_save(url, storage_options):
@@ -188,8 +188,7 @@ with proofs.state_given_to(dcp, "save") as saved:
 # %%
 # What is in the bucket
 # ---------------------
-# One object per rank and ``.metadata``, exactly the files a local save
-# writes. ``s3fs`` lists a prefix as if it were a directory:
+# One object per rank and ``.metadata``, the files a local save writes:
 
 
 def object_sizes(fs, url):
@@ -253,41 +252,59 @@ proofs.same_state("load-on-three-ranks", saved, on_three, "loaded on 3 ranks vs 
 # Complete means committed
 # ------------------------
 # An object store has no directories and no rename (s3fs copies, then
-# deletes). DCP uploads ``.metadata`` last, as ``.metadata.tmp`` copied to
-# ``.metadata``: a prefix without it is a save that did not finish. The check
-# is :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`'s ``verify_checkpoint``
-# over fsspec: every tensor's chunks cover it, every object holds its bytes.
+# deletes). DCP uploads ``.metadata`` last: a prefix without it did not
+# finish. The check is the ``verify_checkpoint`` of
+# :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`: it reads through fsspec.
 
 
 class IncompleteCheckpointError(RuntimeError):
     pass
 
 
-def verify_stored_checkpoint(fs, url, storage_options):
-    """``verify_checkpoint`` for a checkpoint that fsspec reaches (``s3://...``)."""
-    sizes = object_sizes(fs, url)
-    if ".metadata" not in sizes:
-        raise IncompleteCheckpointError(f"{url} has no .metadata")
-    metadata = FsspecReader(url, **storage_options).read_metadata()
+def verify_checkpoint(checkpoint_dir, **storage_options):
+    """Raise IncompleteCheckpointError unless ``.metadata`` exists, every tensor's chunks
+    tile it, and every file holds its bytes. A directory, or a URL fsspec reaches (s3://)."""
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir, **storage_options)
+    fs.invalidate_cache()  # other ranks wrote since this process last listed
+    file_sizes = {os.path.relpath(p, root): n for p, n in fs.du(root, total=False).items()}
+    if ".metadata" not in file_sizes:
+        raise IncompleteCheckpointError(f"{checkpoint_dir} has no .metadata")
+    metadata = FsspecReader(checkpoint_dir, **storage_options).read_metadata()
     for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            covered = sum(torch.Size(chunk.sizes).numel() for chunk in item.chunks)
-            if covered != item.size.numel():
-                raise IncompleteCheckpointError(f"{url}: chunks of {fqn} cover {covered:,}")
-    for info in metadata.storage_data.values():
-        if sizes.get(info.relative_path, -1) < info.offset + info.length:
-            raise IncompleteCheckpointError(f"{url}: {info.relative_path} is short")
+        if not isinstance(item, TensorStorageMetadata):
+            continue  # bytes: their file is checked below
+        boxes = [(chunk.offsets, chunk.sizes) for chunk in item.chunks]
+        inside = all(o + n <= g for b in boxes for o, n, g in zip(*b, item.size, strict=True))
+        overlap = any(  # two boxes overlap when they overlap along every dimension
+            all(p < q + n and q < p + m for p, m, q, n in zip(*a, *b, strict=True))
+            for a, b in itertools.combinations(boxes, 2)
+        )
+        covered = sum(math.prod(sizes) for _, sizes in boxes)
+        if not inside or overlap or covered != math.prod(item.size):
+            raise IncompleteCheckpointError(
+                f"{checkpoint_dir}: the chunks of {fqn} cover {covered:,} of its "
+                f"{math.prod(item.size):,} elements (overlap: {overlap}, inside: {inside})"
+            )
+    for index, info in metadata.storage_data.items():
+        size = file_sizes.get(info.relative_path)
+        if size is None or size < info.offset + info.length:
+            found = "is missing" if size is None else f"has {size:,}"
+            raise IncompleteCheckpointError(
+                f"{checkpoint_dir}: {index.fqn} needs {info.offset + info.length:,} bytes of "
+                f"{info.relative_path}, which {found}"
+            )
 
 
-def saved_steps(fs, root, storage_options):
+def saved_steps(root, storage_options):
     """{step: complete?} for every ``step-N`` under ``root`` that holds objects, oldest first.
     (Listing objects, not "directories": some stores list an emptied prefix for a while.)"""
+    fs = s3fs.S3FileSystem(**storage_options)
     fs.invalidate_cache()  # other ranks uploaded since this process last listed
     found = {int(m[1]) for path in fs.find(root) if (m := re.search(r"/step-(\d{8})/", path))}
     steps = {}
     for step in sorted(found):
         try:
-            verify_stored_checkpoint(fs, f"{root}/step-{step:08d}", storage_options)
+            verify_checkpoint(f"{root}/step-{step:08d}", **storage_options)
             steps[step] = True
         except IncompleteCheckpointError:
             steps[step] = False
@@ -297,13 +314,12 @@ def saved_steps(fs, root, storage_options):
 # %%
 # Keep the newest K, resume from the newest
 # -----------------------------------------
-# Delete ``.metadata`` first: a clean-up cut short leaves a torn prefix, never
-# a "complete" one with data missing. On start, rank 0 removes torn prefixes
-# and picks the newest complete step; every rank loads it.
+# Delete ``.metadata`` first: a clean-up cut short leaves a torn prefix, never a
+# "complete" one. On start, rank 0 removes torn ones and picks the newest.
 
 
-def clean_up(fs, root, keep, storage_options):
-    steps = saved_steps(fs, root, storage_options)
+def clean_up(root, keep, storage_options):
+    fs, steps = s3fs.S3FileSystem(**storage_options), saved_steps(root, storage_options)
     complete = [step for step, done in steps.items() if done]
     doomed = [s for s, done in steps.items() if not done] + complete[: max(len(complete) - keep, 0)]
     for step in doomed:
@@ -313,11 +329,11 @@ def clean_up(fs, root, keep, storage_options):
     return doomed
 
 
-def resume_from_newest(fs, root, state, keep, storage_options):
+def resume_from_newest(root, state, keep, storage_options):
     newest = [None]
     if dist.get_rank() == 0:
-        removed = clean_up(fs, root, keep, storage_options)
-        newest = [max(saved_steps(fs, root, storage_options), default=0)]  # none is torn now
+        removed = clean_up(root, keep, storage_options)
+        newest = [max(saved_steps(root, storage_options), default=0)]  # none is torn now
         print(f"removed torn {removed}; " if removed else "", end="")
         print(f"resuming from step {newest[0]}" if newest[0] else "no checkpoint: from step 1")
     dist.broadcast_object_list(newest, src=0)
@@ -328,28 +344,26 @@ def resume_from_newest(fs, root, state, keep, storage_options):
 
 
 # %%
-# The loop saves every ``SAVE_EVERY`` steps and keeps ``KEEP`` (synchronous
-# saves, to keep the fault below easy to follow; the asynchronous loop of
-# :ref:`sphx_glr_recipes_resume_recipe.py` takes the same writer).
+# The loop saves every ``SAVE_EVERY`` steps and keeps ``KEEP``; saves are
+# synchronous here (:ref:`sphx_glr_recipes_resume_recipe.py`'s loop is not).
 
 SAVE_EVERY, KEEP = 10, 2
 
 
 def train(root, num_steps, storage_options, keep=KEEP):
-    fs = s3fs.S3FileSystem(**storage_options)
     model, optimizer = build_sharded_model(seed=0)
     state = {"app": AppState(model, optimizer)}
-    start = resume_from_newest(fs, root, state, keep, storage_options)
+    start = resume_from_newest(root, state, keep, storage_options)
     for step in range(start + 1, num_steps + 1):
         loss = train_step(model, optimizer, step)
         if step % SAVE_EVERY == 0:
             writer = FsspecWriter(f"{root}/step-{step:08d}", **storage_options)
             dcp.save(state, storage_writer=writer)
             if dist.get_rank() == 0:
-                removed = clean_up(fs, root, keep, storage_options)
+                removed = clean_up(root, keep, storage_options)
                 print(f"step {step}: loss {loss:.4f}; saved, removed {removed}")
     if dist.get_rank() == 0:
-        steps = saved_steps(fs, root, storage_options)
+        steps = saved_steps(root, storage_options)
         print(f"done at step {num_steps}; complete: {[s for s, done in steps.items() if done]}")
         return steps
 
@@ -368,10 +382,9 @@ results.claim("keep-latest-k", left == {30: True, 40: True}, f"left: {left}", le
 # %%
 # The server dies in the middle of an upload
 # ------------------------------------------
-# The job starts again, resumes from step 40, trains on to 60. The page kills
-# the server (SIGKILL) once rank 0 has uploaded its shards of step 50. The save
-# fails in seconds on every rank with a ``CheckpointException`` (a
-# ``BaseException``: name it) whose causes, botocore's, name the endpoint.
+# The job resumes from step 40 towards 60; the page kills the server (SIGKILL)
+# once rank 0 has uploaded its shards of step 50. The save fails in seconds on
+# every rank: a ``CheckpointException`` (a ``BaseException``: name it).
 
 
 def run_until_it_fails(fn, root, *args):
@@ -409,17 +422,11 @@ store.restart()
 print(f"restarted on the same data directory and port, in {store.starts[-1]:.1f} s")
 
 # %%
-# The server is back, with what it had stored. Step 50 has objects, but no
-# ``.metadata``: listing says it is torn.
+# The server is back with its data. Step 50 has objects but no ``.metadata``:
 
 
-def complete_steps(root, storage_options):
-    steps = saved_steps(s3fs.S3FileSystem(**storage_options), root, storage_options)
-    print(f"{root.rsplit('/', 1)[-1]}: {steps}")
-    return steps
-
-
-torn = run_on_one_process(complete_steps, f"{ROOT}/run", STORAGE_OPTIONS)
+torn = run_on_one_process(saved_steps, f"{ROOT}/run", STORAGE_OPTIONS)
+print(f"step: complete? {torn}")
 
 # %%
 
@@ -435,10 +442,9 @@ proofs.same_state("resumed-bit-exact", at_40, resumed, "resumed vs saved at step
 # %%
 # Bad input fails at once
 # -----------------------
-# ``train_and_save`` and ``load_checkpoint`` given a wrong secret, a missing
-# bucket, an endpoint where nothing listens. ``FsspecWriter`` calls
-# ``makedirs``, and s3fs *creates* a missing bucket where the credentials
-# allow it (an admin identity did here); the job's may not: ``Access Denied``.
+# A wrong secret, a missing bucket, an endpoint where nothing listens. s3fs
+# *creates* a missing bucket where the credentials allow it (an admin identity
+# here); the job's may not: ``Access Denied``.
 
 
 def how_it_fails(fn, *args):
@@ -479,9 +485,8 @@ object_store.fails_fast(bad, seconds=20)
 # %%
 # What a save costs
 # -----------------
-# One state saved to local disk, then to S3 three ways: the defaults, an
-# object per tensor (``single_file_per_rank=False``), two upload threads per
-# rank (``thread_count=2``: two objects). The page counts the server's requests.
+# One state to local disk, then to S3: the defaults, an object per tensor
+# (``single_file_per_rank=False``), two threads (``thread_count=2``) per rank.
 
 KNOBS = dict(default={}, per_tensor={"single_file_per_rank": False}, threads_2={"thread_count": 2})
 
@@ -540,8 +545,7 @@ figures.Table(
 # %%
 # The same, as a training script for ``torchrun``
 # -----------------------------------------------
-# ``main()`` sets the device, creates the group and trains, resuming from the
-# newest complete checkpoint. Every rank reads the same ``AWS_*`` environment.
+# ``main()`` sets the device, creates the group, resumes and trains.
 
 
 def main(root, storage_options):

@@ -67,6 +67,7 @@ import tempfile
 import textwrap
 import warnings
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -74,7 +75,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from page_tools import proofs, results
 from rank_launcher import run_as_torchrun, run_on_one_process, run_on_ranks, shared_tempdir
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -250,13 +251,12 @@ class LoopState(Stateful):
 # %%
 # The checkpoint directory
 # ------------------------
-# One directory per save, named by its step. DCP writes ``.metadata`` last,
-# after every rank reported its data written; a directory without it is torn
-# (a crash, or a save still in flight). ``.metadata`` alone can mislead (a
-# group destroyed before the upload started saves one rank's data under it:
-# :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`), so "complete" is what
-# that page's ``verify_checkpoint`` passes. Only rank 0 lists and deletes,
-# never the directory of a save in flight (rule 4).
+# One directory per save, named by its step. DCP writes ``.metadata`` last; a
+# directory without it is torn (a crash, or a save in flight). ``.metadata``
+# alone can mislead (:ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`), so
+# "complete" is what that page's ``verify_checkpoint`` passes; it reads through
+# fsspec, so an ``s3://`` root works too. Only rank 0 lists and deletes, never
+# the directory of a save in flight (rule 4).
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -265,12 +265,15 @@ class IncompleteCheckpointError(RuntimeError):
     pass
 
 
-def verify_checkpoint(checkpoint_dir):
-    """Raise IncompleteCheckpointError unless ``.metadata`` exists, every tensor's saved
-    chunks tile its global shape, and every file it names holds the bytes it claims."""
-    if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
+def verify_checkpoint(checkpoint_dir, **storage_options):
+    """Raise IncompleteCheckpointError unless ``.metadata`` exists, every tensor's chunks
+    tile it, and every file holds its bytes. A directory, or a URL fsspec reaches (s3://)."""
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir, **storage_options)
+    fs.invalidate_cache()  # other ranks wrote since this process last listed
+    file_sizes = {os.path.relpath(p, root): n for p, n in fs.du(root, total=False).items()}
+    if ".metadata" not in file_sizes:
         raise IncompleteCheckpointError(f"{checkpoint_dir} has no .metadata")
-    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    metadata = FsspecReader(checkpoint_dir, **storage_options).read_metadata()
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             continue  # bytes: their file is checked below
@@ -287,8 +290,7 @@ def verify_checkpoint(checkpoint_dir):
                 f"{math.prod(item.size):,} elements (overlap: {overlap}, inside: {inside})"
             )
     for index, info in metadata.storage_data.items():
-        path = os.path.join(checkpoint_dir, info.relative_path)
-        size = os.path.getsize(path) if os.path.exists(path) else None
+        size = file_sizes.get(info.relative_path)
         if size is None or size < info.offset + info.length:
             found = "is missing" if size is None else f"has {size:,}"
             raise IncompleteCheckpointError(
@@ -451,8 +453,7 @@ def train(checkpoint_root, num_steps=NUM_STEPS, keep=KEEP):
 # %%
 # An uninterrupted run
 # --------------------
-# The run of the resume recipe: 60 steps, a save every 10, keeping the newest
-# 2. The page keeps what each rank gave every ``async_save``, to compare with.
+# The resume recipe's run: 60 steps, a save every 10, keeping the newest 2.
 
 
 def new_root(name):

@@ -44,6 +44,7 @@ import shutil
 import textwrap
 import warnings
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -51,6 +52,7 @@ import torch.nn as nn
 from page_tools import faults, observe, results
 from rank_launcher import run_as_torchrun, run_on_one_process, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -313,12 +315,15 @@ results.claim(
 # directory it cannot tell: its old index matches the new files' sizes.)
 
 
-def verify_checkpoint(checkpoint_dir):
-    """Raise IncompleteCheckpointError unless ``.metadata`` exists, every tensor's saved
-    chunks tile its global shape, and every file it names holds the bytes it claims."""
-    if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
+def verify_checkpoint(checkpoint_dir, **storage_options):
+    """Raise IncompleteCheckpointError unless ``.metadata`` exists, every tensor's chunks
+    tile it, and every file holds its bytes. A directory, or a URL fsspec reaches (s3://)."""
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir, **storage_options)
+    fs.invalidate_cache()  # other ranks wrote since this process last listed
+    file_sizes = {os.path.relpath(p, root): n for p, n in fs.du(root, total=False).items()}
+    if ".metadata" not in file_sizes:
         raise IncompleteCheckpointError(f"{checkpoint_dir} has no .metadata")
-    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    metadata = FsspecReader(checkpoint_dir, **storage_options).read_metadata()
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             continue  # bytes: their file is checked below
@@ -335,8 +340,7 @@ def verify_checkpoint(checkpoint_dir):
                 f"{math.prod(item.size):,} elements (overlap: {overlap}, inside: {inside})"
             )
     for index, info in metadata.storage_data.items():
-        path = os.path.join(checkpoint_dir, info.relative_path)
-        size = os.path.getsize(path) if os.path.exists(path) else None
+        size = file_sizes.get(info.relative_path)
         if size is None or size < info.offset + info.length:
             found = "is missing" if size is None else f"has {size:,}"
             raise IncompleteCheckpointError(
