@@ -241,7 +241,8 @@ class RecipeRunner:
 
         The script download and the notebook hold the same code (a site test says so), and
         both start their ranks through the same launcher: this run stands for both. The
-        script's other path, ``torchrun``, is each recipe module's own test.
+        script's other path, ``torchrun``, is each recipe module's test marked ``torchrun``
+        (``make reruns``).
         """
         args = [f"{name}.ipynb"]
         try:

@@ -70,6 +70,7 @@ def test_download_on_four_ranks_runs_the_2d_cell(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun_on_two_ranks_skips_the_2d_cell(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "[rank0] a 2x2 mesh needs 4 ranks, this run has 2: skipped" in output
@@ -80,6 +81,7 @@ def test_download_under_torchrun_on_two_ranks_skips_the_2d_cell(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun_on_four_ranks_runs_the_2d_cell(recipe_runner):
     """``torchrun --nproc-per-node=4``: the 2-D cell trains and saves on torchrun's ranks."""
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=4))

@@ -322,6 +322,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert checkpoint_files_in_repo() == []
 
 
+@pytest.mark.torchrun
 def test_source_under_torchrun_runs_the_thread_knob(recipe_runner):
     """Under torchrun, with a core to spare, two runs also train with every core."""
     results_dir = recipe_runner.results_dir

@@ -161,6 +161,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert checkpoint_files_in_repo() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     for rank in (0, 1):

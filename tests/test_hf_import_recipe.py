@@ -123,6 +123,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.ranks
 def test_claims_hold_on_three_ranks_with_uneven_shards(recipe_runner):
     """2048 embedding rows in three: each rank reads its own 683 or 682, together the model."""
     recipes_before = sorted(os.listdir(RECIPES))
@@ -143,6 +144,7 @@ def test_claims_hold_on_three_ranks_with_uneven_shards(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "[rank1] loaded 38 tensors; lm_head still tied to the embedding: True" in output

@@ -101,6 +101,7 @@ def test_download_computes_what_the_page_shows(recipe_runner, s3_server):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner, s3_server):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "[rank0] done at step 20; complete: [10, 20]" in output, "main() ran under torchrun"

@@ -105,6 +105,7 @@ def test_download_prints_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "[rank1] loaded 4 model tensors, no optimizer" in output

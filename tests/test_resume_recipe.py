@@ -114,6 +114,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     """torchrun's two ranks train as the page's two did: the same loss at every save."""
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
@@ -123,6 +124,7 @@ def test_download_under_torchrun(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.ranks
 def test_claims_hold_on_one_rank(recipe_runner):
     """One rank (a machine with one GPU): the rank killed is rank 0, the only one."""
     run, results = recipe_runner.source(RECIPE, world_size=1)

@@ -76,6 +76,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.ranks
 def test_claims_hold_on_three_ranks_with_uneven_shards(recipe_runner):
     """64 rows do not split evenly in three: the checkpoint reshards to 1 process and back."""
     recipes_before = sorted(os.listdir(RECIPES))

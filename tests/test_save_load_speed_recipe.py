@@ -221,6 +221,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=1, **SMALL))
     rows = numbers_in(output, KNOB_ROW)
@@ -231,6 +232,7 @@ def test_download_under_torchrun(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.ranks
 def test_claims_hold_on_one_rank_where_nothing_is_replicated(recipe_runner, monkeypatch):
     for name, value in SMALL.items():
         monkeypatch.setenv(name, value)

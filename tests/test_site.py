@@ -592,6 +592,7 @@ def test_workflows_parse_and_run_make_test():
             assert job.get("runs-on") and job.get("steps"), path.name
             commands += [step.get("run", "") for step in job["steps"]]
     assert any("make test" in c for c in commands), "CI runs make test"
+    assert any("make reruns" in c for c in commands), "CI runs what make test leaves out"
     assert any("make html" in c for c in commands), "a job builds the site"
     assert any("make gpu-check" in c for c in commands), "the GPU job runs make gpu-check"
 

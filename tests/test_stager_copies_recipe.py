@@ -85,6 +85,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     # Once in the recipe's cell, once in main(): both under torchrun's ranks.

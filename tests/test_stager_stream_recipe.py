@@ -96,6 +96,7 @@ def test_download_runs_alone_on_one_rank(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert output.count("[rank0] synchronize_before_save: 6 checkpoints") == 2, "main() ran too"

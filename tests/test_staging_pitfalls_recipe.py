@@ -147,6 +147,7 @@ def test_download_runs_alone_on_one_rank(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     shown = "".join(page_outputs(RECIPE))
@@ -157,6 +158,7 @@ def test_download_under_torchrun(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.ranks
 def test_claims_hold_on_one_rank(recipe_runner):
     """The source with its page work on one rank (what make gpu-check runs on one GPU)."""
     run, results = recipe_runner.source(RECIPE, world_size=1)

@@ -131,6 +131,7 @@ def test_notebook_runs_alone_and_says_where_the_job_runs(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "skipped: run the recipe's .py file (not under torchrun)" in output
