@@ -60,13 +60,16 @@ def test_every_claim_held(results):
     assert_listed_claims_held(RECIPE, results["claims"])
 
 
-def test_every_save_was_durable_and_the_warm_up_round_bit_exact(results):
+def test_every_save_was_durable_and_every_checkpoint_bit_exact(results):
     complete = results["claims"]["every-checkpoint-complete"]["evidence"]
     assert complete["saves"] == complete["durable"] == RANKS * SAVES * len(WAYS) * (ROUNDS + 1)
     assert complete["errors"] == []
     exact = results["claims"]["warm-up-checkpoints-bit-exact"]["evidence"]
     assert exact["checkpoints"] == SAVES * len(WAYS) and set(exact["counts"]) == {0}
     assert exact["tensors"] == TENSORS and exact["values"] > 0
+    timed = results["claims"]["timed-checkpoints-bit-exact"]["evidence"]
+    assert timed["checkpoints"] == SAVES * len(WAYS) * ROUNDS and timed["differing"] == []
+    assert timed["tensors"] == TENSORS
 
 
 def test_every_way_was_timed_in_every_round(results):

@@ -2438,3 +2438,38 @@ def test_side_by_side_joins_the_loops_waits_with_durable_times_and_requests(caps
         stalls.side_by_side(per_rank, saves, requests, timed=slice(1, 2))
     with pytest.raises(ValueError, match="3 runs, 2 request counts"):
         stalls.side_by_side(per_rank, saves, observe.Calls({0: [{}, {}]}), timed=slice(1, 2))
+
+
+@ONE_PROCESS
+def test_every_checkpoint_as_its_twin_proves_unwatched_saves_and_fails_on_a_change(
+    tmp_path, monkeypatch, capsys
+):
+    import rank_launcher
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3}
+    with proofs.saves_given_to(dcp, "save") as given:
+        dcp.save(state, checkpoint_id=str(tmp_path / "round-0" / "step-3"))
+    dcp.save(state, checkpoint_id=str(tmp_path / "round-1" / "step-3"))  # unwatched, alike
+    dcp.save(state, storage_writer=FsspecWriter("memory://twins/round-2/step-3"))
+    forked = []
+    monkeypatch.setattr(
+        rank_launcher, "run_on_one_process", lambda fn, *a: forked.append(a) or fn(*a)
+    )
+
+    def to_round_0(path):
+        return str(tmp_path / "round-0" / "step-3")
+
+    alike = [str(tmp_path / "round-1" / "step-3")]
+    found = proofs.every_checkpoint_as_its_twin("twins", given, alike, to_round_0, "round 1")
+    assert [c.equal for c in found] == [True] and forked == [], "local: read here"
+    assert capsys.readouterr().out.startswith("round 1: 1 of 1 checkpoints hold their twin's")
+    both = alike + ["memory://twins/round-2/step-3"]
+    proofs.every_checkpoint_as_its_twin("twins-s3", given, both, to_round_0, "rounds 1, 2")
+    assert len(forked) == 1, "a URL: every read in one forked process"
+    changed = [str(tmp_path / "round-3" / "step-3")]
+    dcp.save({**state, "w": state["w"] + 1}, checkpoint_id=changed[0])
+    with pytest.raises(results.ClaimFailed, match="0 of 1 checkpoints hold"):
+        proofs.every_checkpoint_as_its_twin("twins-changed", given, changed, to_round_0, "round 3")
+    with pytest.raises(ValueError, match="no watched save for the twins"):
+        proofs.every_checkpoint_as_its_twin("no-twin", given, alike, lambda p: p, "round 1")

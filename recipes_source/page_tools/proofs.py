@@ -671,6 +671,59 @@ def every_checkpoint_as_saved(
     return checked
 
 
+def states_by_checkpoint(saves: observe.Calls) -> dict[str, dict[str, Any]]:
+    """The whole state each watched save (``saves_given_to``) was given, by checkpoint: put
+    together from every rank's snapshot of that call."""
+    by_checkpoint: dict[str, list[dict[str, Any]]] = {}
+    for _, records in sorted(saves.by_rank.items()):
+        for saved in records:
+            by_checkpoint.setdefault(saved.checkpoint, []).append(saved.state)
+    return {path: assemble(snapshots) for path, snapshots in by_checkpoint.items()}
+
+
+def _compare_each(pairs: list[tuple[str, dict[str, Any]]]) -> list[Comparison]:
+    return [compare(expected, read_checkpoint(path)) for path, expected in pairs]
+
+
+def every_checkpoint_as_its_twin(
+    claim: str,
+    saves: observe.Calls,
+    checkpoints: Sequence[str],
+    twin: Callable[[str], str],
+    what: str,
+) -> list[Comparison]:
+    """Decide that each of ``checkpoints`` holds, bit for bit, the state that its twin's save
+    was given: ``twin(path)`` names a checkpoint the watch ``saves`` saw (the same step of a
+    deterministic run that was watched), so that saves timed unwatched are proven too. Read
+    in one forked process where a checkpoint is a URL (as ``read_checkpoints``)."""
+    given = states_by_checkpoint(saves)
+    missing = sorted({twin(path) for path in checkpoints} - set(given))
+    if missing or not checkpoints:
+        raise ValueError(f"no watched save for the twins {missing[:3]} ({len(checkpoints)} given)")
+    pairs = [(os.fspath(path), given[twin(path)]) for path in checkpoints]
+    if any(is_url(path) for path, _ in pairs):
+        from rank_launcher import run_on_one_process
+
+        found = run_on_one_process(_compare_each, pairs)
+    else:
+        found = _compare_each(pairs)
+    counts = [len(c.differ) + len(c.missing) + len(c.unexpected) for c in found]
+    said = (
+        f"{what}: {counts.count(0)} of {len(found)} checkpoints hold their twin's saved state,"
+        f" bit for bit ({found[0].tensors} tensors and {found[0].values} values each)"
+    )
+    results.claim(
+        claim,
+        all(count == 0 for count in counts),
+        said,
+        checkpoints=len(found),
+        differing=[path for (path, _), count in zip(pairs, counts, strict=True) if count][:20],
+        tensors=found[0].tensors,
+        values=found[0].values,
+    )
+    return found
+
+
 def every_tensor(name: str) -> bool:
     """For ``every_checkpoint_torn(differ=...)``: every tensor of the state."""
     return True
