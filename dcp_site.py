@@ -60,6 +60,7 @@ RECIPE_ORDER = (
     "checkpoint_stall_benchmark.py",
     "save_load_speed_recipe.py",
     "object_storage_recipe.py",
+    "object_storage_async_recipe.py",
 )
 
 

@@ -2338,6 +2338,145 @@ def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
     assert not (tmp_path / "object-store").exists(), "nothing was created"
 
 
+def test_requests_between_counts_each_stretch_on_one_rank_and_restores():
+    from page_tools import object_store
+
+    hooks = types.SimpleNamespace(begin=lambda: "began", end=lambda: "ended")
+    original = (hooks.begin, hooks.end)
+    store = types.SimpleNamespace(counts={"PUT": 3})
+    store.requests = lambda: dict(store.counts)
+    with object_store.requests_between(store, (hooks, "begin"), (hooks, "end")) as stretches:
+        assert hooks.end() == "ended"  # a stop without a start records nothing
+        assert hooks.begin() == "began"
+        store.counts = {"PUT": 5, "GET": 2}
+        hooks.end()
+        hooks.begin()
+        hooks.begin()  # a start again: the stretch starts again
+        store.counts = {"PUT": 6, "GET": 2}
+        hooks.end()
+    assert stretches.by_rank == {0: [{"GET": 2, "PUT": 2}, {"GET": 0, "PUT": 1}]}
+    assert (hooks.begin, hooks.end) == original
+    with object_store.requests_between(store, (hooks, "begin"), (hooks, "end"), rank=1) as other:
+        hooks.begin()
+        hooks.end()
+    assert other.by_rank == {}, "rank 0 is not the rank that reads"
+
+
+@ONE_PROCESS
+def test_saves_given_to_snapshots_only_the_calls_where_accepts(tmp_path):
+    state = {"w": torch.arange(4.0)}
+    where = proofs.saving_into("/keep/", anywhere=True)
+    with proofs.saves_given_to(dcp, "save", where=where) as saved:
+        for folder in ("skip", "keep"):
+            dcp.save(state, checkpoint_id=str(tmp_path / folder / "step-1"))
+    assert [s.checkpoint for s in saved.by_rank[0]] == [str(tmp_path / "keep" / "step-1")]
+    assert (tmp_path / "skip" / "step-1" / ".metadata").exists(), "the other call still ran"
+
+
+@ONE_PROCESS
+def test_read_checkpoints_reads_urls_with_fsspec_in_one_forked_process(tmp_path, monkeypatch):
+    import rank_launcher
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(state, storage_writer=FsspecWriter("memory://dcp-test/step-1"))
+    dcp.save(state, checkpoint_id=str(tmp_path / "step-1"))
+    forked = []
+
+    def one_process(fn, *args):  # the memory filesystem lives in this process only
+        forked.append(args)
+        return fn(*args)
+
+    monkeypatch.setattr(rank_launcher, "run_on_one_process", one_process)
+    assert proofs.is_url("memory://dcp-test/step-1") and not proofs.is_url(tmp_path)
+    assert len(proofs.read_checkpoints([str(tmp_path / "step-1")])) == 1 and forked == []
+    read = proofs.read_checkpoints(["memory://dcp-test/step-1", str(tmp_path / "step-1")])
+    assert forked == [(["memory://dcp-test/step-1", str(tmp_path / "step-1")],)]
+    assert all(torch.equal(found["w"], state["w"]) for found in read)
+
+
+def _way_run(way, number, stalls_s, root="s3://b"):
+    paths = [f"{root}/{way}/round-{number}/step-{k}" for k in range(len(stalls_s))]
+    return {"round": number, "way": way, "stalls_s": stalls_s, "checkpoints": paths, "loss": 0.5}
+
+
+def test_side_by_side_joins_the_loops_waits_with_durable_times_and_requests(capsys):
+    per_rank = [
+        [_way_run("a", n, [[1.0, 0.0], [0.1 * (n + 1), 0.2], [0.0, 0.0]]) for n in range(3)],
+        [_way_run("a", n, [[1.0, 0.0], [0.3, 0.0], [0.0, 0.0]]) for n in range(3)],
+    ]
+    saves = observe.Calls(
+        {
+            rank: [
+                {"checkpoint_id": p, "called": 10.0, "durable": 10.5 + rank, "error": None}
+                for run in runs
+                for p in run["checkpoints"]
+            ]
+            for rank, runs in enumerate(per_rank)
+        }
+    )
+    requests = observe.Calls({0: [{"PUT": 9}, {"PUT": 6, "GET": 3}, {"PUT": 9}]})
+    found = stalls.side_by_side(per_rank, saves, requests, timed=slice(1, 2))
+    entry = found["ways"]["a"]
+    # Slowest rank per save: round 1 has 0.2 + 0.2 on rank 0, 0.3 on rank 1.
+    assert entry["stall_s"] == pytest.approx([0.4, 0.5]) and entry["call_s"] == pytest.approx(
+        [0.3, 0.3]
+    )
+    assert entry["upload_s"] == [1.5, 1.5] and entry["losses"] == [0.5, 0.5, 0.5]
+    assert entry["requests_per_save"] == {"GET": 1.0, "PUT": 2.0}, "round 1's, over 3 saves"
+    assert stalls.all_durable(found) == {"saves": 18, "durable": 18, "errors": []}
+    table = stalls.side_by_side_table(found, 2)
+    assert table.rows == [
+        ["a", "450.0 (400.0-500.0)", "300.0 (300.0-300.0)"] + ["1500.0 (1500.0-1500.0)", 3.0, 2.0]
+    ]
+    found["ways"]["b"] = {**entry, "upload_s": [3.0, 3.1]}
+    said = stalls.side_by_side_verdicts(found, [("a", "b", "upload_s")])
+    assert said == {
+        "a vs b: upload_s": stats.verdict("upload, a", [1.5, 1.5], "b", [3.0, 3.1], "ms", 1e3)[0]
+    }
+    assert capsys.readouterr().out.startswith("upload, a: 1.55e+03 ms less than b")
+    saves.by_rank[1].pop()
+    with pytest.raises(ValueError, match="a save not once per rank"):
+        stalls.side_by_side(per_rank, saves, requests, timed=slice(1, 2))
+    with pytest.raises(ValueError, match="3 runs, 2 request counts"):
+        stalls.side_by_side(per_rank, saves, observe.Calls({0: [{}, {}]}), timed=slice(1, 2))
+
+
+@ONE_PROCESS
+def test_every_checkpoint_as_its_twin_proves_unwatched_saves_and_fails_on_a_change(
+    tmp_path, monkeypatch, capsys
+):
+    import rank_launcher
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 3}
+    with proofs.saves_given_to(dcp, "save") as given:
+        dcp.save(state, checkpoint_id=str(tmp_path / "round-0" / "step-3"))
+    dcp.save(state, checkpoint_id=str(tmp_path / "round-1" / "step-3"))  # unwatched, alike
+    dcp.save(state, storage_writer=FsspecWriter("memory://twins/round-2/step-3"))
+    forked = []
+    monkeypatch.setattr(
+        rank_launcher, "run_on_one_process", lambda fn, *a: forked.append(a) or fn(*a)
+    )
+
+    def to_round_0(path):
+        return str(tmp_path / "round-0" / "step-3")
+
+    alike = [str(tmp_path / "round-1" / "step-3")]
+    found = proofs.every_checkpoint_as_its_twin("twins", given, alike, to_round_0, "round 1")
+    assert [c.equal for c in found] == [True] and forked == [], "local: read here"
+    assert capsys.readouterr().out.startswith("round 1: 1 of 1 checkpoints hold their twin's")
+    both = alike + ["memory://twins/round-2/step-3"]
+    proofs.every_checkpoint_as_its_twin("twins-s3", given, both, to_round_0, "rounds 1, 2")
+    assert len(forked) == 1, "a URL: every read in one forked process"
+    changed = [str(tmp_path / "round-3" / "step-3")]
+    dcp.save({**state, "w": state["w"] + 1}, checkpoint_id=changed[0])
+    with pytest.raises(results.ClaimFailed, match="0 of 1 checkpoints hold"):
+        proofs.every_checkpoint_as_its_twin("twins-changed", given, changed, to_round_0, "round 3")
+    with pytest.raises(ValueError, match="no watched save for the twins"):
+        proofs.every_checkpoint_as_its_twin("no-twin", given, alike, lambda p: p, "round 1")
+
+
 # --------------------------------------------------------------------------
 # ports: the one free-port picker of pages, tests and tools
 # --------------------------------------------------------------------------

@@ -42,7 +42,7 @@ LAUNCH_DEADLINE_S = 240
 RUN_DEADLINE_S = 300
 HF_RECIPES = ("hf_interop_recipe", "hf_import_recipe")
 # Pages whose download reads an S3 endpoint from AWS_*: each run gets a server of its own.
-S3_RECIPES = ("object_storage_recipe",)
+S3_RECIPES = ("object_storage_recipe", "object_storage_async_recipe")
 FIRST_ERROR = re.compile(r"^\S*(Error|Exception)\b.*$", re.M)
 
 

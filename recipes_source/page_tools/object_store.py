@@ -336,6 +336,47 @@ def requests_per_save(store: Store):
     return observe.around(dcp, "save", body)
 
 
+@contextlib.contextmanager
+def requests_between(
+    store: Store, start: tuple[Any, str], stop: tuple[Any, str], rank: int = 0
+) -> Iterator[observe.Calls]:
+    """The server's requests in every stretch from a call of ``start`` to a call of ``stop``
+    (each an ``(owner, name)``: a run's ``(dist, "new_group")`` to its
+    ``(dist, "destroy_process_group")``), read on rank ``rank`` (the others record nothing):
+    one ``{action: count}`` record per stretch, in order. A start without a stop starts the
+    stretch again; a stop without a start records nothing. Restored on exit.
+
+    A loop that awaits its last upload before ``stop`` on that rank has all its requests in
+    the stretch: DCP's coordinator (rank 0) commits ``.metadata`` after every rank wrote."""
+    (start_owner, start_name), (stop_owner, stop_name) = start, stop
+    begin, end = getattr(start_owner, start_name), getattr(stop_owner, stop_name)
+    counting: dict[int, dict[str, int]] = {}  # by process: the forked ranks each have their own
+
+    def mine() -> bool:
+        return (dist.get_rank() if dist.is_initialized() else 0) == rank
+
+    with observe.records() as (stretches, put):
+
+        def starting(*args: Any, **kwargs: Any) -> Any:
+            result = begin(*args, **kwargs)
+            if mine():
+                counting[os.getpid()] = store.requests()
+            return result
+
+        def stopping(*args: Any, **kwargs: Any) -> Any:
+            before = counting.pop(os.getpid(), None) if mine() else None
+            if before is not None:
+                after = store.requests()
+                put({name: after[name] - before.get(name, 0) for name in sorted(after)})
+            return end(*args, **kwargs)
+
+        with (
+            observe.replaced(start_owner, start_name, starting),
+            observe.replaced(stop_owner, stop_name, stopping),
+        ):
+            yield stretches
+
+
 # How each bad input must fail (the text ``how_it_fails`` returns, on the page).
 BAD_INPUTS = {
     "wrong secret": "PermissionError in .* The request signature we calculated does not match",

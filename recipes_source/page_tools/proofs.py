@@ -444,9 +444,12 @@ def _on_cpu(taken: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def saves_given_to(owner: Any, name: str = "async_save") -> Iterator[observe.Calls]:
+def saves_given_to(
+    owner: Any, name: str = "async_save", where: Callable[[observe.Call], bool] | None = None
+) -> Iterator[observe.Calls]:
     """Watch a save function (``dcp.async_save``): every rank's ``Saved`` for each call, by
-    the checkpoint it names (``checkpoint_id``, or its ``storage_writer``'s path).
+    the checkpoint it names (``checkpoint_id``, or its ``storage_writer``'s path); ``where``
+    keeps only the calls it accepts (the others run untouched, without a snapshot).
 
     The snapshot waits for no device, so that the save runs as it would unwatched: tensors
     on a device are cloned there at the call and brought to the CPU once the call has
@@ -457,6 +460,8 @@ def saves_given_to(owner: Any, name: str = "async_save") -> Iterator[observe.Cal
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             call = observe.Call(args, kwargs)
+            if where is not None and not where(call):
+                return original(*args, **kwargs)
             taken, device = _taken_at_call(call.argument(0, "state_dict"))
             result = original(*args, **kwargs)
             put(Saved(str(observe.checkpoint_id(call)), _on_cpu(taken), device))
@@ -506,21 +511,48 @@ def saves_into(saves: observe.Calls, directory: str | os.PathLike) -> observe.Ca
     )
 
 
+def is_url(path: str | os.PathLike) -> bool:
+    """A checkpoint that fsspec reaches (``s3://bucket/...``), not a local path."""
+    return "://" in os.fspath(path)
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The whole state a DCP checkpoint holds, by dotted name, read in this process as
     ``dcp_to_torch_save`` reads it (no process group, no template, onto the CPU), without
-    its detour through a ``torch.save`` file."""
+    its detour through a ``torch.save`` file. A URL (``s3://...``) is read with
+    ``FsspecReader``, which finds its endpoint and credentials in the ``AWS_*`` environment."""
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader: Any = FsspecReader(os.fspath(path))
+    else:
+        reader = FileSystemReader(path)
     state: dict[str, Any] = {}
     with warnings.catch_warnings():
         # DCP warns that it assumes one process, which is what this read is.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         _load_state_dict(
             state,
-            storage_reader=FileSystemReader(path),
+            storage_reader=reader,
             planner=_EmptyStateDictLoadPlanner(),
             no_dist=True,
         )
     return whole_state(state)
+
+
+def read_checkpoints(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """``read_checkpoint`` of each path, in order. Where one is a URL, all are read in one
+    forked process (``run_on_one_process``): fsspec's event-loop thread, which s3fs starts,
+    must not outlive the read in the page's process, which forks the ranks."""
+    if not any(is_url(path) for path in paths):
+        return [read_checkpoint(path) for path in paths]
+    from rank_launcher import run_on_one_process
+
+    return run_on_one_process(_read_each, list(map(os.fspath, paths)))
+
+
+def _read_each(paths: list[str]) -> list[dict[str, Any]]:
+    return [read_checkpoint(path) for path in paths]
 
 
 @dataclasses.dataclass
@@ -554,13 +586,16 @@ def checkpoints_against_saves(
     if any(len(records) != len(ranks[0]) for records in ranks):
         raise ValueError("the ranks made different numbers of saves")
     count = len(ranks[0])
-    checked = []
-    for index in range(1 if but_first else 0, count - 1 if but_last else count):
-        calls = [records[index] for records in ranks]
-        if any(call.checkpoint != calls[0].checkpoint for call in calls):
+    indices = range(1 if but_first else 0, count - 1 if but_last else count)
+    for index in indices:
+        if any(records[index].checkpoint != ranks[0][index].checkpoint for records in ranks):
             raise ValueError(f"the ranks' save {index} went to different checkpoints")
+    found = read_checkpoints([ranks[0][index].checkpoint for index in indices])
+    checked = []
+    for index, on_storage in zip(indices, found, strict=True):
+        calls = [records[index] for records in ranks]
         expected = assemble([call.state for call in calls])
-        comparison = compare(expected, read_checkpoint(calls[0].checkpoint))
+        comparison = compare(expected, on_storage)
         names = sorted(name for name, value in expected.items() if isinstance(value, torch.Tensor))
         checked.append(Checked(calls[0].checkpoint, comparison, names))
     if not checked:
@@ -634,6 +669,59 @@ def every_checkpoint_as_saved(
         devices=devices(saves),
     )
     return checked
+
+
+def states_by_checkpoint(saves: observe.Calls) -> dict[str, dict[str, Any]]:
+    """The whole state each watched save (``saves_given_to``) was given, by checkpoint: put
+    together from every rank's snapshot of that call."""
+    by_checkpoint: dict[str, list[dict[str, Any]]] = {}
+    for _, records in sorted(saves.by_rank.items()):
+        for saved in records:
+            by_checkpoint.setdefault(saved.checkpoint, []).append(saved.state)
+    return {path: assemble(snapshots) for path, snapshots in by_checkpoint.items()}
+
+
+def _compare_each(pairs: list[tuple[str, dict[str, Any]]]) -> list[Comparison]:
+    return [compare(expected, read_checkpoint(path)) for path, expected in pairs]
+
+
+def every_checkpoint_as_its_twin(
+    claim: str,
+    saves: observe.Calls,
+    checkpoints: Sequence[str],
+    twin: Callable[[str], str],
+    what: str,
+) -> list[Comparison]:
+    """Decide that each of ``checkpoints`` holds, bit for bit, the state that its twin's save
+    was given: ``twin(path)`` names a checkpoint the watch ``saves`` saw (the same step of a
+    deterministic run that was watched), so that saves timed unwatched are proven too. Read
+    in one forked process where a checkpoint is a URL (as ``read_checkpoints``)."""
+    given = states_by_checkpoint(saves)
+    missing = sorted({twin(path) for path in checkpoints} - set(given))
+    if missing or not checkpoints:
+        raise ValueError(f"no watched save for the twins {missing[:3]} ({len(checkpoints)} given)")
+    pairs = [(os.fspath(path), given[twin(path)]) for path in checkpoints]
+    if any(is_url(path) for path, _ in pairs):
+        from rank_launcher import run_on_one_process
+
+        found = run_on_one_process(_compare_each, pairs)
+    else:
+        found = _compare_each(pairs)
+    counts = [len(c.differ) + len(c.missing) + len(c.unexpected) for c in found]
+    said = (
+        f"{what}: {counts.count(0)} of {len(found)} checkpoints hold their twin's saved state,"
+        f" bit for bit ({found[0].tensors} tensors and {found[0].values} values each)"
+    )
+    results.claim(
+        claim,
+        all(count == 0 for count in counts),
+        said,
+        checkpoints=len(found),
+        differing=[path for (path, _), count in zip(pairs, counts, strict=True) if count][:20],
+        tensors=found[0].tensors,
+        values=found[0].values,
+    )
+    return found
 
 
 def every_tensor(name: str) -> bool:

@@ -636,3 +636,108 @@ def summary_line(recipe: str, headline: dict, found_goals: dict) -> str:
         f"{headline['overhead_vs_dcp_save']:.2f}x (goal <= {overhead['goal']}x: "
         f"{verdict[overhead['met']]})"
     )
+
+
+# --------------------------------------------------------------------------
+# Several ways of saving from one loop, side by side (the object-storage async page)
+# --------------------------------------------------------------------------
+
+
+def side_by_side(
+    per_rank: list[list[dict]], saves: observe.Calls, requests: observe.Calls, timed: slice
+) -> dict:
+    """Join every rank's runs (``{"round", "way", "stalls_s", "checkpoints", "loss"}``, one
+    per way and round; round 0 the warm-up) with when each checkpoint became durable
+    (``timing.checkpoint_saves``) and the server's requests of each run (rank 0's
+    ``object_store.requests_between``, one record per run in order).
+
+    A run's ``stalls_s`` has a pair per save: the seconds the loop waited in the call and for
+    staging, and the seconds it waited for the upload. Per way, over the measured rounds:
+    ``stall_s`` (per round, the median over the ``timed`` saves of the slowest rank's total
+    wait), ``call_s`` (the same for the first part alone), ``upload_s`` (the same for the
+    time from the save call until durable) and ``requests_per_save`` (round 1's, by action);
+    and every save's record with its way, for the claims. Raises ``ValueError`` where the
+    records do not match the runs.
+    """
+    durable = timing.by_checkpoint(saves)
+    counted = requests.by_rank.get(0, [])
+    if len(counted) != len(per_rank[0]):
+        raise ValueError(f"{len(per_rank[0])} runs, {len(counted)} request counts")
+    ways: dict[str, dict] = {}
+    every_save = []
+    for index, runs in enumerate(zip(*per_rank, strict=True)):
+        run = runs[0]
+        if any((r["round"], r["way"]) != (run["round"], run["way"]) for r in runs):
+            raise ValueError(f"run {index}: the ranks ran different ways")
+        records = [durable.get(path, []) for path in run["checkpoints"]]
+        if any(len(found) != len(runs) for found in records):
+            raise ValueError(f"{run['way']}, round {run['round']}: a save not once per rank")
+        every_save += [{**r, "way": run["way"]} for found in records for r in found]
+        uploads = [max(_until_durable(r) for r in found) for found in records]
+        waits = list(zip(*(r["stalls_s"] for r in runs), strict=True))  # per save, by rank
+        stalls = [max(sum(pair) for pair in column) for column in waits]
+        calls = [max(pair[0] for pair in column) for column in waits]
+        entry = ways.setdefault(run["way"], {"requests_per_save": {}, "losses": []})
+        entry["losses"].append(run["loss"])
+        if run["round"] == 0:
+            continue
+        for metric, values in (("stall_s", stalls), ("call_s", calls), ("upload_s", uploads)):
+            entry.setdefault(metric, []).append(statistics.median(values[timed]))
+        if run["round"] == 1:
+            per_save = {k: v / len(run["checkpoints"]) for k, v in counted[index].items()}
+            entry["requests_per_save"] = per_save
+    return {"ways": ways, "saves": every_save}
+
+
+def _until_durable(record: dict) -> float:
+    """Seconds from a save call until its checkpoint was durable (infinite: it failed)."""
+    return float("inf") if record["durable"] is None else record["durable"] - record["called"]
+
+
+def _shown_ms(values: Sequence[float]) -> str:
+    return stats.median_range(values, ".1f", 1e3)
+
+
+def side_by_side_table(found: dict, rounds: int) -> figures.Table:
+    """One row per way: stall, of which in the call, and upload per save (ms, median
+    (lowest-highest) over the rounds), and the requests it sent per save."""
+    rows = [
+        [
+            way,
+            _shown_ms(entry["stall_s"]),
+            _shown_ms(entry["call_s"]),
+            _shown_ms(entry["upload_s"]),
+            round(sum(entry["requests_per_save"].values()), 1),
+            round(entry["requests_per_save"].get("PUT", 0), 1),
+        ]
+        for way, entry in found["ways"].items()
+    ]
+    columns = ["way", "stall per save (ms)", "in the call (ms)", "upload (ms)", "requests"]
+    columns.append("of which PUT")
+    return figures.Table(columns, rows, caption=f"medians over {rounds} rounds (lowest-highest)")
+
+
+def side_by_side_verdicts(found: dict, pairs: Sequence[tuple[str, str, str]]) -> dict[str, str]:
+    """``stats.verdict``'s sentence for each ``(way a, way b, "stall_s" or "upload_s")``,
+    printed in lines that fit the page; returns them by ``"a vs b: metric"``."""
+    said = {}
+    words = {"stall_s": "stall", "call_s": "stall in the call", "upload_s": "upload"}
+    for a, b, metric in pairs:
+        ways = found["ways"]
+        sentence, _ = stats.verdict(
+            f"{words[metric]}, {a}", ways[a][metric], b, ways[b][metric], "ms", 1e3
+        )
+        print(figures.wrapped(sentence))
+        said[f"{a} vs {b}: {metric}"] = sentence
+    return said
+
+
+def all_durable(found: dict) -> dict:
+    """Evidence that every save of every run became durable without an error."""
+    saves = found["saves"]
+    errors = sorted({r["error"] for r in saves if r["error"] is not None})
+    return {
+        "saves": len(saves),
+        "durable": sum(r["durable"] is not None and r["error"] is None for r in saves),
+        "errors": errors,
+    }
