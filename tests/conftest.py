@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from page_tools import object_store
 from recipe_runner import HTML, ROOT, RecipeRunner
 
 
@@ -34,3 +35,15 @@ def site() -> Path:
     if not (HTML / "index.html").exists():
         subprocess.run(["make", "html"], cwd=ROOT, check=True)
     return HTML
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object_store.Store]:
+    """A SeaweedFS server with the S3 pages' bucket, for a module's download runs (it takes
+    seconds to start); ``AWS_*`` point at it while it runs, and nothing of it is left."""
+    store = object_store.start(tmp_path_factory.mktemp("s3"), bucket="dcp-recipes")
+    try:
+        yield store
+    finally:
+        object_store.stop(store)
+    assert not store.running() and store.bound_ports() == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from page_tools import object_store, stats
+from page_tools import stats
 from recipe_runner import (
     assert_listed_claims_held,
     assert_no_traceback,
@@ -42,18 +42,6 @@ WAITED = r"^\[rank0\] round \d .+? +waited ((?:\d+\+\d+ ?){4}) ms;"
 @pytest.fixture(scope="module")
 def results():
     return build_results(RECIPE)
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """A SeaweedFS server with the page's bucket, for both downloads; ``AWS_*`` point at it
-    while it runs."""
-    store = object_store.start(tmp_path_factory.mktemp("s3"), bucket="dcp-recipes")
-    try:
-        yield store
-    finally:
-        object_store.stop(store)
-    assert not store.running() and store.bound_ports() == []
 
 
 def test_every_claim_held(results):

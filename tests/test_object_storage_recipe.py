@@ -10,7 +10,6 @@ reader would, and stop it, leaving no process or port behind.
 from __future__ import annotations
 
 import pytest
-from page_tools import object_store
 from recipe_runner import (
     assert_no_traceback,
     assert_ok,
@@ -31,18 +30,6 @@ ROW = r"layers\.0\.weight\[0, :3\] = \[.*\]$"
 @pytest.fixture(scope="module")
 def results():
     return build_results(RECIPE)
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """A SeaweedFS server with the page's bucket, for both downloads (it takes seconds to
-    start); ``AWS_*`` point at it while it runs."""
-    store = object_store.start(tmp_path_factory.mktemp("s3"), bucket="dcp-recipes")
-    try:
-        yield store
-    finally:
-        object_store.stop(store)
-    assert not store.running() and store.bound_ports() == []
 
 
 def test_every_claim_held(results):
