@@ -20,7 +20,9 @@ it proves:
 * ``processes``: the helper processes torch starts for a rank (a checkpoint process), and
   their logs;
 * ``figures``: tables rendered as HTML, and plots;
-* ``machine``: what the page ran on.
+* ``machine``: what the page ran on;
+* ``versions_matrix``: the committed version matrix (checkpoints saved by one torch
+  release, loaded by another) as tables, and the claims a page makes from it.
 
 Downloads leave all of it out: the site build removes every statement that uses this
 package from a page's script and notebook, so a download is the recipe alone.
