@@ -795,6 +795,12 @@ KNOWN_FAILURES = (
         "reused-stager-keyerror",
         "use a fresh ``DefaultStager`` per save (close it once its upload is done)",
     ),
+    (
+        re.compile(r"too many values to unpack \(expected 5\)"),
+        "newer-torch-checkpoint",
+        "save with the oldest torch that must read it, or convert with the newer one "
+        "(``dcp_to_torch_save``)",
+    ),
 )
 
 
@@ -986,6 +992,9 @@ def checkpoints_rst(results: dict) -> list[str]:
         if outcome.get("where"):
             line += f", raised at ``{outcome['where']}``"
         line += "."
+        known = known_failure(outcome.get("error", ""))
+        if known:
+            line += f" Known: :ref:`{known[0]}`."
         if via is not None and via["status"] == "passed":
             line += f" Way through ({about['way']}) by {loaded_by}: equal."
         elif via is not None:

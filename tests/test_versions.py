@@ -263,6 +263,7 @@ def test_checkpoints_section_names_each_failure():
     assert "``torch.load`` by the other) by 2.13.0: equal" in text
     assert "saved by 2.15.0, loaded by 2.13.0: ``ValueError: too many values" in text
     assert "metadata.py:81 in __setstate__``" in text
+    assert "__setstate__``. Known: :ref:`newer-torch-checkpoint`." in text
     for about in CHECKPOINT_KINDS.values():
         assert f"\n{about['title']}\n{'~' * len(about['title'])}\n" in text, about["title"]
     model, dtensor, hf = (

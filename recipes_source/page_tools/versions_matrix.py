@@ -142,6 +142,20 @@ def newer_to_older_only(claim: str, matrix: Matrix) -> dict:
     return measured
 
 
+def every_pair_loads(claim: str, matrix: Matrix, kind: str) -> int:
+    """Decide that every measured pair of one kind loaded, whichever release saved it."""
+    found = [(s, v, o) for s, v, o in pairs(matrix, kind) if o is not None]
+    failed = [f"{s} -> {v}" for s, v, o in found if o["status"] != "passed"]
+    results.claim(
+        claim,
+        bool(found) and not failed,
+        f"{matrix.kinds[kind]['title']}: {len(found)} pairs measured, {len(failed)} failed",
+        measured=len(found),
+        failed=failed,
+    )
+    return len(found)
+
+
 def cross_version_script(root: Path = ROOT) -> ModuleType:
     """``tools/version_checks/cross_version.py``, the script every release of the matrix ran."""
     path = root / "tools" / "version_checks" / "cross_version.py"
