@@ -246,9 +246,10 @@ proofs.same_state(
 # Measured: every pair of seven releases
 # --------------------------------------
 # ``make versions CROSS=1`` ran the same three kinds with each release's own
-# venv (``tools/version_checks/cross_version.py``, a small model trained one
-# Adam step): saved by the row's release, loaded by the column's, every
-# tensor compared. The tables are this site's committed results
+# venv (``tools/version_checks/cross_version.py``: a small model after one
+# Adam step; the export, its initial weights), the 2-rank kinds on 2 gloo
+# ranks: saved by the row's release, loaded by the column's, every tensor
+# compared. The tables are this site's committed results
 # (``_versions/results.json``), on CPU; "not measured" is a pair the matrix
 # has not run yet. Where a load failed, the way through was measured too:
 # for DCP checkpoints, ``dcp_to_torch_save`` by the release that saved it,
@@ -286,9 +287,9 @@ versions_matrix.newer_to_older_only("only-older-reads-newer-fails", MATRIX)
 # ------------------------
 # This site's repository keeps a checkpoint that torch 2.15.0 saved: kind 1,
 # written by ``python3 tools/versions.py --fixture`` with the matrix's 2.15.0
-# venv, under 100 KB, in ``recipes_source/cross_version_fixture/`` beside this page.
-# The page runs from that folder; a download run elsewhere does not have it,
-# and says so. Torch 2.15.0 pickles a sixth field into each tensor's
+# venv (under 100 KB), in ``recipes_source/cross_version_fixture/``. The page
+# runs in ``recipes_source/``, where the path below finds it; a download run
+# anywhere else does not have it, and says so in one line. Torch 2.15.0 pickles a sixth field into each tensor's
 # ``TensorProperties`` (``strides``); 2.12 to 2.14 unpack exactly five, and
 # 2.9 to 2.11 only report that no metadata could be read (the errors above).
 
