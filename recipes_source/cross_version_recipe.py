@@ -239,7 +239,7 @@ proofs.same_state(
     "export-files-hold-the-model",
     exported,
     proofs.safetensors_state(os.path.join(WORK_DIR, "export")),
-    "the safetensors file vs the exported model",
+    "the safetensors file vs the export",
 )
 
 # %%
@@ -289,9 +289,11 @@ versions_matrix.newer_to_older_only("only-older-reads-newer-fails", MATRIX)
 # written by ``python3 tools/versions.py --fixture`` with the matrix's 2.15.0
 # venv (under 100 KB), in ``recipes_source/cross_version_fixture/``. The page
 # runs in ``recipes_source/``, where the path below finds it; a download run
-# anywhere else does not have it, and says so in one line. Torch 2.15.0 pickles a sixth field into each tensor's
-# ``TensorProperties`` (``strides``); 2.12 to 2.14 unpack exactly five, and
-# 2.9 to 2.11 only report that no metadata could be read (the errors above).
+# anywhere else does not have it, and says so in one line.
+#
+# Torch 2.15.0 pickles a sixth field into each tensor's ``TensorProperties``
+# (``strides``); 2.12 to 2.14 unpack exactly five, and 2.9 to 2.11 only
+# report that no metadata could be read (the errors above).
 
 NEWER_CHECKPOINT = os.path.join("cross_version_fixture", "saved-by-torch-2.15.0")
 
@@ -394,7 +396,7 @@ proofs.same_state(
     "converted-file-holds-what-the-newer-saved",
     fixture.state(*fixture.model_and_optimizer(seed=0)),
     converted,
-    "the 2.15.0 conversion, read here, vs the values cross_version.py saved",
+    "2.15.0's .pt here vs what it saved",
 )
 
 # %%

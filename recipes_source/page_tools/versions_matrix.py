@@ -132,10 +132,12 @@ def newer_to_older_only(claim: str, matrix: Matrix) -> dict:
     results.claim(
         claim,
         all(older_reads_newer) and all(through),
-        f"{sum(measured.values())} pairs measured "
-        f"({', '.join(f'{kind} {count}' for kind, count in measured.items())}): "
-        f"{len(failed)} loads failed, every one an older torch reading a checkpoint saved by "
-        f"{', '.join(savers) or 'none'}, and the way through loaded each",
+        figures.wrap(
+            f"{sum(measured.values())} pairs measured "
+            f"({', '.join(f'{kind} {count}' for kind, count in measured.items())}): "
+            f"{len(failed)} loads failed, every one an older torch reading a checkpoint saved "
+            f"by {', '.join(savers) or 'none'}, and the way through loaded each"
+        ),
         measured=measured,
         failed=failed,
     )
@@ -178,8 +180,10 @@ def the_matrix_says(
     results.claim(
         claim,
         held,
-        f"here, as in the matrix: saved by {saved_by}, loaded by {loaded_by}: {status}"
-        + (f", {error}" if status != "passed" else ""),
+        figures.wrap(
+            f"here, as in the matrix: saved by {saved_by}, loaded by {loaded_by}: {status}"
+            + (f", {error}" if status != "passed" else "")
+        ),
         seen={"status": status, "error": error},
         matrix={"status": found["status"], "error": found.get("error")},
     )
