@@ -120,7 +120,8 @@ gpu-check:
 # in a venv of its own outside the repository (~/.cache/dcp-recipes/torch-X, kept), at low
 # priority; the results go into _versions/results.json (committed), which the site renders.
 # TORCH=2.15.0 for one release; CROSS=1: instead, checkpoints saved by each release with a
-# venv, loaded by each; VERSIONS_ARGS passes options (--recipes a,b --timeout 600).
+# venv, loaded by each, three kinds (a model, the same FSDP2-sharded on 2 ranks, a Hugging
+# Face export); VERSIONS_ARGS passes options (--recipes a,b --timeout 600 --kinds dtensor,hf).
 # The downloads come from $(BUILD)/html, built without executing anything if there is none.
 versions:
 	@test -n "$(wildcard $(BUILD)/html/_downloads/*/save_load_recipe.py)" || $(MAKE) html-noplot

@@ -55,6 +55,7 @@ RECIPE_ORDER = (
     "torchrun_restart_recipe.py",
     "partial_load_recipe.py",
     "change_parallelism_recipe.py",
+    "cross_version_recipe.py",
     "staging_pitfalls_recipe.py",
     "stager_stream_recipe.py",
     "checkpoint_stall_benchmark.py",
@@ -749,12 +750,57 @@ WORKAROUNDS = {
         "fixes": "reused-stager-keyerror",
     },
 }
+# Checkpoints across versions (make versions CROSS=1, tools/version_checks/cross_version.py):
+# each kind's table in the results file ("key"), saved by a row's release, loaded by a
+# column's; where a load fails, the way through ("via": its outcomes, "via_mode": the
+# script's mode for it, "convert": the saver first writes a dcp_to_torch_save file).
+CHECKPOINT_KINDS = {
+    "model": {
+        "key": "checkpoints",
+        "title": "A model and its optimizer (one process)",
+        "what": "a model's and its Adam optimizer's state dict, saved with ``dcp.save`` in one "
+        "process and loaded with ``dcp.load`` into a fresh model and optimizer",
+        "via": "via_torch_save",
+        "via_mode": "load-torch-save",
+        "convert": True,
+        "way": "``dcp_to_torch_save`` by the release that saved it, ``torch.load`` by the other",
+    },
+    "dtensor": {
+        "key": "checkpoints_dtensor",
+        "title": "Sharded with FSDP2 (DTensors, 2 ranks)",
+        "what": "the same model and optimizer sharded with ``fully_shard`` on 2 ranks (gloo), "
+        "``get_state_dict``'s DTensors saved by 2 ranks and loaded by 2 ranks "
+        "(``set_state_dict``), every rank's shards compared",
+        "via": "via_torch_save",
+        "via_mode": "load-torch-save",
+        "convert": True,
+        "way": "``dcp_to_torch_save`` by the release that saved it, ``torch.load`` by the other",
+    },
+    "hf": {
+        "key": "checkpoints_hf",
+        "title": "A Hugging Face safetensors export (2 ranks)",
+        "what": "the sharded model exported by 2 ranks with ``HuggingFaceStorageWriter`` "
+        "(``save_distributed=True, enable_consolidation=True``, as "
+        ":doc:`/recipes/hf_interop_recipe`), read by 2 ranks with ``HuggingFaceStorageReader`` "
+        "(as :doc:`/recipes/hf_import_recipe`)",
+        "via": "via_safetensors",
+        "via_mode": "load-safetensors",
+        "convert": False,
+        "way": "``safetensors.torch.load_file`` by the other release, no DCP",
+    },
+}
 # A failure's first line -> (troubleshooting label, what to do on that torch).
 KNOWN_FAILURES = (
     (
         re.compile(r"KeyError: <class 'type'>"),
         "reused-stager-keyerror",
         "use a fresh ``DefaultStager`` per save (close it once its upload is done)",
+    ),
+    (
+        re.compile(r"too many values to unpack \(expected 5\)"),
+        "newer-torch-checkpoint",
+        "save with the oldest torch that must read it, or convert with the newer one "
+        "(``dcp_to_torch_save``)",
     ),
 )
 
@@ -924,70 +970,73 @@ def versions_page_rst(results: dict, confdir: str | os.PathLike) -> str:
 
 
 def checkpoints_rst(results: dict) -> list[str]:
-    """The section "Checkpoints across versions": saved by a row's release, loaded by a
-    column's (``make versions CROSS=1``), each failure's first line and where it was raised."""
-    table = results.get("checkpoints", {})
+    """The section "Checkpoints across versions": for each kind of ``CHECKPOINT_KINDS``, saved
+    by a row's release, loaded by a column's (``make versions CROSS=1``), each failure's first
+    line and where it was raised, and the way through where one was measured."""
     out = ["", "Checkpoints across versions", "---------------------------", ""]
     out += [
-        "A model's and its Adam optimizer's state dict, saved with ``dcp.save`` by one",
-        "release and loaded with ``dcp.load`` by another, in one process, every tensor",
-        f"compared (``tools/version_checks/cross_version.py``; ``{VERSIONS_COMMAND} CROSS=1``",
-        "runs it between every release that has a venv). A sharded (DTensor) checkpoint and",
-        "a Hugging Face export across versions are not measured yet.",
+        "Saved by one release and loaded by another, every tensor compared",
+        f"(``tools/version_checks/cross_version.py``; ``{VERSIONS_COMMAND} CROSS=1`` runs it",
+        "between every release that has a venv), three kinds; the page",
+        ":doc:`/recipes/cross_version_recipe` runs them live and shows the error.",
         "",
     ]
+    failures = []
+    for kind, about in CHECKPOINT_KINDS.items():
+        out += checkpoint_kind_rst(results.get(about["key"], {}), kind, about, failures)
+    if failures:
+        out += ["Failures", "~~~~~~~~", ""]
+    for number, (kind, saved_by, loaded_by, outcome, via) in enumerate(failures, 1):
+        about = CHECKPOINT_KINDS[kind]
+        line = f"* C{number}. {about['title']}: saved by {saved_by}, loaded by {loaded_by}: "
+        line += _literal(outcome.get("error", ""), 300)
+        if outcome.get("where"):
+            line += f", raised at ``{outcome['where']}``"
+        line += "."
+        known = known_failure(outcome.get("error", ""))
+        if known:
+            line += f" Known: :ref:`{known[0]}`."
+        if via is not None and via["status"] == "passed":
+            line += f" Way through ({about['way']}) by {loaded_by}: equal."
+        elif via is not None:
+            line += f" Way through: {_literal(via.get('error', ''), 200)}."
+        out += [line, ""]
+    return out
+
+
+def checkpoint_kind_rst(table: dict, kind: str, about: dict, failures: list) -> list[str]:
+    """One kind's table; its failures are appended to ``failures`` (numbered C1, C2, ...)."""
+    title = about["title"]
+    out = [title, "~" * len(title), "", f"{about['what'][0].upper()}{about['what'][1:]}.", ""]
     if not table:
         return out + [f"Not yet measured: ``{VERSIONS_COMMAND} CROSS=1``.", ""]
     out += [
-        ".. list-table:: Saved by (rows), loaded by (columns)",
+        f".. list-table:: {title}: saved by (rows), loaded by (columns)",
         "   :header-rows: 1",
         "   :class: dcp-version-matrix",
         "",
         "   * - saved by",
     ]
     out += [f"     - {version}" for version in TORCH_VERSIONS]
-    failures = []
     for saved_by in TORCH_VERSIONS:
-        row = table.get(saved_by)
+        row = table.get(saved_by) or {}
         out.append(f"   * - {saved_by}")
         for loaded_by in TORCH_VERSIONS:
-            outcome = (row or {}).get("loaded_by", {}).get(loaded_by)
+            outcome = row.get("loaded_by", {}).get(loaded_by)
             if outcome is None:
                 out.append("     - not yet measured")
             elif outcome["status"] == "passed":
                 out.append("     - loads, equal")
             else:
-                via = (row or {}).get("via_torch_save", {}).get(loaded_by)
-                failures.append((saved_by, loaded_by, outcome, via))
+                via = row.get(about["via"], {}).get(loaded_by)
+                failures.append((kind, saved_by, loaded_by, outcome, via))
                 through = ""
                 if via is not None:
-                    through = (
-                        "; converted: loads" if via["status"] == "passed" else "; converted: fails"
+                    through = "; way through: " + (
+                        "loads" if via["status"] == "passed" else "fails"
                     )
                 out.append(f"     - **fails** (C{len(failures)}){through}")
-    out.append("")
-    if failures:
-        out += [
-            "Where a load fails, the way through is measured too: the release that saved the",
-            "checkpoint converts it to one ``torch.save`` file with",
-            ":func:`~torch.distributed.checkpoint.format_utils.dcp_to_torch_save`, and the",
-            "older one loads that with ``torch.load(path, weights_only=True)``, every value",
-            'compared ("converted" in the table).',
-            "",
-        ]
-    for number, (saved_by, loaded_by, outcome, via) in enumerate(failures, 1):
-        line = f"* C{number}. Saved by {saved_by}, loaded by {loaded_by}: "
-        line += _literal(outcome.get("error", ""), 300)
-        if outcome.get("where"):
-            line += f", raised at ``{outcome['where']}``"
-        line += "."
-        if via is not None and via["status"] == "passed":
-            line += (
-                f" Converted by {saved_by} and loaded with ``torch.load`` by {loaded_by}: equal."
-            )
-        elif via is not None:
-            line += f" Converted: {_literal(via.get('error', ''), 200)}."
-        out += [line, ""]
+    out += ["", f"Where a load fails, the way through measured: {about['way']}.", ""]
     return out
 
 

@@ -2500,3 +2500,98 @@ def test_every_page_tools_module_is_shown_on_the_measuring_page():
     shown = set(re.findall(r"literalinclude:: recipes_source/page_tools/(\w+)\.py", MEASURING))
     modules = {path.stem for path in (RECIPES / "page_tools").glob("*.py")}
     assert modules - shown == set(), "modules the page 'How these pages measure' leaves out"
+
+
+# --------------------------------------------------------------------------
+# versions_matrix: the committed matrix's checkpoint tables, on made-up results
+# --------------------------------------------------------------------------
+
+
+def _made_up_matrix(failures):
+    """Three releases; every pair of the plain kind loads but ``failures`` ((saved by,
+    loaded by, way through passed?)); the other kinds are not measured."""
+    from page_tools import versions_matrix
+
+    versions = ("2.1.0", "2.2.0", "2.3.0")
+    table = {}
+    for saved_by in versions:
+        row = table.setdefault(saved_by, {"saved": {"status": "passed"}, "loaded_by": {}})
+        for loaded_by in versions:
+            row["loaded_by"][loaded_by] = {"status": "passed"}
+    for saved_by, loaded_by, through in failures:
+        error = {"status": "failed", "error": "ValueError: five", "where": "metadata.py:81 in f"}
+        table[saved_by]["loaded_by"][loaded_by] = error
+        via = {"status": "passed" if through else "failed", "error": "x"}
+        table[saved_by].setdefault("via_torch_save", {})[loaded_by] = via
+    kinds = {
+        "model": {"key": "checkpoints", "title": "Plain", "via": "via_torch_save"},
+        "hf": {"key": "checkpoints_hf", "title": "Export", "via": "via_safetensors"},
+    }
+    return versions_matrix.Matrix({"checkpoints": table}, versions, kinds)
+
+
+def test_versions_matrix_tables_say_each_pair_and_number_each_error():
+    from page_tools import versions_matrix
+
+    matrix = _made_up_matrix([("2.3.0", "2.1.0", True), ("2.3.0", "2.2.0", False)])
+    grid = versions_matrix.grid(matrix, "model")
+    assert grid.caption == "Plain" and grid.columns == ["saved by \\ loaded by", *matrix.versions]
+    assert grid.rows[2] == [
+        "2.3.0",
+        "fails (E1); way through loads",
+        "fails (E1); way through fails",
+        "loads",
+    ]
+    assert versions_matrix.grid(matrix, "hf").rows[0][1:] == ["not measured"] * 3
+    (row,) = versions_matrix.failures(matrix).rows
+    assert row == [
+        "E1",
+        "ValueError: five",
+        "metadata.py:81 in f",
+        "model: 2.3.0 -> 2.1.0; model: 2.3.0 -> 2.2.0",
+        "failed, passed",
+    ]
+    assert versions_matrix.outcome(matrix, "hf", "2.1.0", "2.1.0") is None
+
+
+@pytest.mark.parametrize(
+    "failures, held",
+    [
+        ([("2.3.0", "2.1.0", True)], True),  # an older torch reads a newer one's: through
+        ([("2.3.0", "2.1.0", False)], False),  # ... and the way through failed
+        ([("2.1.0", "2.3.0", True)], False),  # a newer torch failed on an older one's
+    ],
+)
+def test_versions_matrix_claims_only_older_reading_newer_fails(
+    tmp_path, monkeypatch, failures, held
+):
+    from page_tools import versions_matrix
+
+    monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(results.RECIPE_ENV, "some_recipe")
+    matrix = _made_up_matrix(failures)
+    if held:
+        assert versions_matrix.newer_to_older_only("c", matrix) == {"model": 9, "hf": 0}
+    else:
+        with pytest.raises(results.ClaimFailed):
+            versions_matrix.newer_to_older_only("c", matrix)
+    recorded = json.loads((tmp_path / "some_recipe.json").read_text())
+    assert recorded["values"]["pairs-failed"] == [f"model: {s} -> {v}" for s, v, _ in failures]
+
+
+def test_versions_matrix_compares_what_a_page_saw_with_the_matrix(tmp_path, monkeypatch):
+    from page_tools import versions_matrix
+
+    monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(results.RECIPE_ENV, "some_recipe")
+    matrix = _made_up_matrix([("2.3.0", "2.1.0", True)])
+    versions_matrix.the_matrix_says(
+        "a", matrix, "model", "2.3.0", "2.1.0", "failed", "ValueError: five"
+    )
+    with pytest.raises(results.ClaimFailed):
+        versions_matrix.the_matrix_says("b", matrix, "model", "2.3.0", "2.1.0", "failed", "other")
+    with pytest.raises(results.ClaimFailed):
+        versions_matrix.the_matrix_says("c", matrix, "model", "2.3.0", "2.1.0", "passed", None)
+    versions_matrix.the_matrix_says("d", matrix, "model", "2.3.0", "9.9.9", "passed", None)
+    claims = json.loads((tmp_path / "some_recipe.json").read_text())["claims"]
+    assert claims["a"]["held"] is True and claims["d"]["held"] is None

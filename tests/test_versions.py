@@ -20,6 +20,7 @@ from recipe_runner import RECIPE_NAMES, RECIPES, ROOT
 import dcp_site
 from dcp_site import (
     CARD_MARKER,
+    CHECKPOINT_KINDS,
     RUNS_ON_MARKER,
     TORCH_VERSIONS,
     VERSION_RESULTS,
@@ -156,21 +157,27 @@ def test_versions_page_shows_the_whole_matrix(site):
                 assert outcome["error"].split()[0] in failures, (version, name)
 
 
-def test_checkpoints_across_versions_are_consistent_and_shown(site):
-    """Saved by one release, loaded by another: the file's table, and the page's."""
-    table = RESULTS.get("checkpoints", {})
+@pytest.mark.parametrize("kind", list(CHECKPOINT_KINDS))
+def test_checkpoints_across_versions_are_consistent_and_shown(site, kind):
+    """Saved by one release, loaded by another, per kind: the file's table, and the page's."""
+    about = CHECKPOINT_KINDS[kind]
+    table = RESULTS.get(about["key"], {})
     for saved_by, row in table.items():
         assert saved_by in TORCH_VERSIONS and row["saved"]["status"] in ("passed", "failed")
+        assert set(row) <= {"saved", "loaded_by", about["via"]}, (kind, saved_by, set(row))
         for loaded_by, outcome in row.get("loaded_by", {}).items():
             assert loaded_by in TORCH_VERSIONS
             assert outcome["status"] == "passed" or outcome["error"], (saved_by, loaded_by)
+        for loaded_by in row.get(about["via"], {}):
+            assert row["loaded_by"][loaded_by]["status"] == "failed", "a way through a failure"
     doc = soup(site / "versions.html")
     section = doc.select_one("section#checkpoints-across-versions")
     assert section is not None
+    (sub,) = [s for s in section.select("section") if s.h3.get_text().startswith(about["title"])]
     if not table:
-        assert "make versions CROSS=1" in section.get_text()
+        assert "make versions CROSS=1" in sub.get_text()
         return
-    rows = section.select("table tbody tr")
+    rows = sub.select("table tbody tr")
     assert [r.select("td")[0].get_text(strip=True) for r in rows] == list(TORCH_VERSIONS)
     for row in rows:
         cells = [td.get_text(" ", strip=True) for td in row.select("td")]
@@ -180,6 +187,23 @@ def test_checkpoints_across_versions_are_consistent_and_shown(site):
                 outcome and outcome["status"], "fails"
             )
             assert cell.startswith(want), (cells[0], loaded_by, cell)
+
+
+def test_the_new_kinds_ran_on_two_ranks_and_compared_every_value():
+    """The DTensor kind's loads print each of the 2 ranks' comparison; the export's files
+    are the consolidated ones, the ranks' pieces removed."""
+    for kind in ("dtensor", "hf"):
+        table = RESULTS.get(CHECKPOINT_KINDS[kind]["key"], {})
+        for row in table.values():
+            if kind == "hf" and row["saved"]["status"] == "passed":
+                said = row["saved"]["last_lines"][0]
+                assert (
+                    "['model-00001-of-00001.safetensors', 'model.safetensors.index.json']" in said
+                )
+            for outcome in row.get("loaded_by", {}).values():
+                if outcome["status"] == "passed":
+                    (line,) = outcome["last_lines"]
+                    assert re.search(r"rank [01] loaded .*: \d+ values equal$", line), line
 
 
 # --------------------------------------------------------------------------
@@ -233,11 +257,23 @@ def test_checkpoints_section_names_each_failure():
             }
         }
     }
+    made_up["checkpoints_hf"] = {"2.9.1": {"saved": {"status": "passed", "seconds": 1.0}}}
     text = "\n".join(dcp_site.checkpoints_rst(made_up))
-    assert "     - **fails** (C1); converted: loads" in text and "     - loads, equal" in text
-    assert "loaded with ``torch.load`` by 2.13.0: equal" in text
-    assert "* C1. Saved by 2.15.0, loaded by 2.13.0: ``ValueError: too many values" in text
+    assert "     - **fails** (C1); way through: loads" in text and "     - loads, equal" in text
+    assert "``torch.load`` by the other) by 2.13.0: equal" in text
+    assert "saved by 2.15.0, loaded by 2.13.0: ``ValueError: too many values" in text
     assert "metadata.py:81 in __setstate__``" in text
+    assert "__setstate__``. Known: :ref:`newer-torch-checkpoint`." in text
+    for about in CHECKPOINT_KINDS.values():
+        assert f"\n{about['title']}\n{'~' * len(about['title'])}\n" in text, about["title"]
+    model, dtensor, hf = (
+        text.split(f"\n{about['title']}\n")[1].split("\n~~~")[0]
+        for about in CHECKPOINT_KINDS.values()
+    )
+    # no results for the sharded kind: the command that measures it; the others' tables say
+    # each pair that is not measured (the plain kind measured 2 of 49, the export none)
+    assert "Not yet measured: ``make versions CROSS=1``." in dtensor and "list-table" not in dtensor
+    assert model.count("not yet measured") == 47 and hf.count("not yet measured") == 49
 
 
 TRACEBACK = """\

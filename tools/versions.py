@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dcp_site import (  # noqa: E402
+    CHECKPOINT_KINDS,
     TORCH_VERSIONS,
     VERSION_RESULTS,
     VERSIONS_COMMAND,
@@ -248,7 +249,7 @@ def save_results(key: str, version: str | None, value: dict) -> None:
     else:
         results.setdefault(key, {})[version] = value
     results["command"] = VERSIONS_COMMAND
-    for name in ("versions", "checkpoints"):
+    for name in ("versions", *(about["key"] for about in CHECKPOINT_KINDS.values())):
         if name in results:
             order = sorted(results[name].items(), key=lambda kv: TORCH_VERSIONS.index(kv[0]))
             results[name] = dict(order)
@@ -313,29 +314,46 @@ def reparse() -> None:
                     error, where, recipe_line = first_error(log.read_text(), script)
                     outcome.update(error=error, where=where, recipe_line=recipe_line)
         save_results("versions", version, entry)
-    table = results.get("checkpoints", {})
-    for by, row in table.items():
-        for kind, label in (("loaded_by", "loaded-by"), ("via_torch_save", "torch-save-loaded-by")):
-            for version, outcome in row.get(kind, {}).items():
-                log = LOGS / "checkpoints" / f"{by}-{label}-{version}.log"
-                if outcome["status"] == "failed" and log.exists():
-                    error, where, _ = first_error(log.read_text(), CROSS_SCRIPT.name)
-                    outcome.update(error=error, where=where)
-    save_results("checkpoints", None, table)
+    for kind, about in CHECKPOINT_KINDS.items():
+        table = results.get(about["key"], {})
+        for by, row in table.items():
+            for field, label in (("loaded_by", "loaded-by"), (about["via"], "via-loaded-by")):
+                for version, outcome in row.get(field, {}).items():
+                    log = LOGS / "checkpoints" / cross_log(kind, f"{by}-{label}-{version}")
+                    if outcome["status"] == "failed" and log.exists():
+                        error, where, _ = first_error(log.read_text(), CROSS_SCRIPT.name)
+                        outcome.update(error=error, where=where)
+        save_results(about["key"], None, table)
+
+
+def cross_log(kind: str, name: str) -> str:
+    """A cross-version run's log name: the plain kind's as before, the others prefixed."""
+    if kind == "model":
+        return f"{name.replace('via-loaded-by', 'torch-save-loaded-by')}.log"
+    return f"{kind}-{name}.log"
 
 
 CROSS_SCRIPT = ROOT / "tools" / "version_checks" / "cross_version.py"
 
 
-def cross_versions(versions: list[str], timeout: int) -> None:
-    """Save a checkpoint with each release's venv, load each one with every release's venv.
+def cross_versions(versions: list[str], timeout: int, kinds: list[str]) -> None:
+    """Save a checkpoint of each kind with each release's venv, load each one with every
+    release's venv (``CHECKPOINT_KINDS``: a plain model and optimizer, the same sharded on 2
+    ranks, a Hugging Face safetensors export).
 
-    The checkpoints stay beside the venvs (``<cache>/checkpoints/by-X``), and a pair already
-    in the results is not measured again: a release added later costs its own row and
-    column only. ``--force`` measures every pair again."""
+    The checkpoints stay beside the venvs (``<cache>/checkpoints/[kind/]by-X``), and a pair
+    already in the results is not measured again: a release added later costs its own row
+    and column only. ``--force`` measures every pair again."""
     ready = [v for v in versions if (CACHE / f"torch-{v}" / "dcp-recipes-ready.json").exists()]
-    table = load_results().get("checkpoints", {})
-    store = CACHE / "checkpoints"
+    for kind in kinds:
+        cross_kind(kind, ready, timeout)
+
+
+def cross_kind(kind: str, ready: list[str], timeout: int) -> None:
+    about = CHECKPOINT_KINDS[kind]
+    key, via = about["key"], about["via"]
+    table = load_results().get(key, {})
+    store = CACHE / "checkpoints" / ("" if kind == "model" else kind)
 
     def python(version: str) -> Path:
         return CACHE / f"torch-{version}" / "bin" / "python"
@@ -343,71 +361,125 @@ def cross_versions(versions: list[str], timeout: int) -> None:
     def checkpoint(version: str) -> Path:
         return store / f"by-{version}"
 
+    def run(version: str, args: list, name: str) -> dict:
+        log = LOGS / "checkpoints" / cross_log(kind, name)
+        return run_cross(python(version), [f"--kind={kind}", *args], timeout, log)
+
+    def record() -> None:
+        save_results(key, None, table)
+
     for version in ready:
         if table.get(version, {}).get("saved", {}).get("status") == "passed" and (
             checkpoint(version).exists() and not FORCE
         ):
             continue
         shutil.rmtree(checkpoint(version), ignore_errors=True)
-        log = LOGS / "checkpoints" / f"save-{version}.log"
-        outcome = run_cross(python(version), ["save", checkpoint(version)], timeout, log)
-        table[version] = {"saved": outcome}
-        print(f"versions: checkpoint saved by torch {version}: {outcome['status']}")
-        save_results("checkpoints", None, table)
+        outcome = run(version, ["save", checkpoint(version)], f"save-{version}")
+        # The pairs measured before stay: the same script saves the same values each time.
+        table.setdefault(version, {})["saved"] = outcome
+        print(f"versions: {kind} checkpoint saved by torch {version}: {outcome['status']}")
+        record()
     saved = [v for v in ready if table.get(v, {}).get("saved", {}).get("status") == "passed"]
     for by in saved:
         for version in ready:
             if version in table[by].get("loaded_by", {}) and not FORCE:
                 continue
-            log = LOGS / "checkpoints" / f"{by}-loaded-by-{version}.log"
-            outcome = run_cross(python(version), ["load", checkpoint(by)], timeout, log)
+            outcome = run(version, ["load", checkpoint(by)], f"{by}-loaded-by-{version}")
             table[by].setdefault("loaded_by", {})[version] = outcome
             said = outcome.get("error", "")
-            print(f"versions: saved by {by}, loaded by {version}: {outcome['status']} {said}")
-            save_results("checkpoints", None, table)
-    # The way through where a load failed: the saving release converts the checkpoint to one
-    # torch.save file (dcp_to_torch_save), the other loads that with torch.load.
+            print(
+                f"versions: {kind} saved by {by}, loaded by {version}: {outcome['status']} {said}"
+            )
+            record()
+    # The way through where a load failed (about["way"]): the saving release converts the
+    # checkpoint to one torch.save file (dcp_to_torch_save), the other loads that with
+    # torch.load; an export's safetensors files are read without DCP.
     for by in saved:
         loads = table[by].get("loaded_by", {})
         failed = [v for v, o in loads.items() if o["status"] != "passed" and v in ready]
-        failed = [v for v in failed if v not in table[by].get("via_torch_save", {}) or FORCE]
+        failed = [v for v in failed if v not in table[by].get(via, {}) or FORCE]
         if not failed:
             continue
-        converted = store / f"by-{by}.pt"
-        log = LOGS / "checkpoints" / f"convert-{by}.log"
-        converting = run_cross(python(by), ["convert", checkpoint(by), converted], timeout, log)
+        source, converting = checkpoint(by), {"status": "passed"}
+        if about["convert"]:
+            source = store / f"by-{by}.pt"
+            converting = run(by, ["convert", checkpoint(by), source], f"convert-{by}")
         for version in failed:
             outcome = converting
             if converting["status"] == "passed":
-                log = LOGS / "checkpoints" / f"{by}-torch-save-loaded-by-{version}.log"
-                outcome = run_cross(python(version), ["load-torch-save", converted], timeout, log)
-            table[by].setdefault("via_torch_save", {})[version] = outcome
-            said = f"saved by {by}, dcp_to_torch_save, torch.load by {version}"
-            print(f"versions: {said}: {outcome['status']}")
-            save_results("checkpoints", None, table)
+                outcome = run(version, [about["via_mode"], source], f"{by}-via-loaded-by-{version}")
+            table[by].setdefault(via, {})[version] = outcome
+            print(
+                f"versions: {kind} saved by {by}, {about['way']} by {version}: {outcome['status']}"
+            )
+            record()
 
 
 def run_cross(python: Path, args: list, timeout: int, log: Path) -> dict:
+    """One cross_version.py run (its 2 ranks too), killed with its process group at timeout."""
     start = time.monotonic()
-    done = subprocess.run(
+    process = subprocess.Popen(
         ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), *map(str, args)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        start_new_session=True,
     )
-    output = done.stdout + done.stderr
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        timed_out = True
+    output = stdout + stderr
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(output)
     outcome = {
-        "status": "passed" if done.returncode == 0 else "failed",
+        "status": "passed" if process.returncode == 0 and not timed_out else "failed",
         "seconds": round(time.monotonic() - start, 1),
     }
-    if done.returncode != 0:
+    if timed_out:
+        outcome.update(error=f"timed out after {timeout} s", where="")
+    elif process.returncode != 0:
         error, where, _ = first_error(output, CROSS_SCRIPT.name)
         outcome.update(error=error, where=where)
-    outcome["last_lines"] = [line for line in done.stdout.splitlines() if line.strip()][-1:]
+    outcome["last_lines"] = [line for line in stdout.splitlines() if line.strip()][-1:]
     return outcome
+
+
+FIXTURE = ROOT / "recipes_source" / "cross_version_fixture"  # the page's, committed
+FIXTURE_TORCH = "2.15.0"
+
+
+def make_fixture(timeout: int) -> None:
+    """The cross-version page's fixture: the plain kind's checkpoint as torch 2.15.0 saves it
+    (``cross_version.py save``) and its ``dcp_to_torch_save`` file written by 2.15.0
+    (``convert``), a few KB, which the page loads on the torch it is built with."""
+    venv, made = venv_for(FIXTURE_TORCH)
+    python = venv / "bin" / "python"
+    saved = FIXTURE / f"saved-by-torch-{FIXTURE_TORCH}"
+    converted = FIXTURE / f"saved-by-torch-{FIXTURE_TORCH}.pt"
+    shutil.rmtree(saved, ignore_errors=True)
+    converted.unlink(missing_ok=True)
+    for args in (["save", saved], ["convert", saved, converted]):
+        log = LOGS / "checkpoints" / f"fixture-{args[0]}.log"
+        outcome = run_cross(python, args, timeout, log)
+        if outcome["status"] != "passed":
+            raise SystemExit(f"versions: fixture {args[0]} failed: {outcome['error']}")
+        print(f"versions: fixture {args[0]}: {outcome['last_lines']}")
+    about = {
+        "torch": made["torch"],
+        "made_by": "python3 tools/versions.py --fixture (tools/version_checks/cross_version.py)",
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "files": {
+            str(p.relative_to(FIXTURE)): p.stat().st_size
+            for p in sorted(FIXTURE.rglob("*"))
+            if p.is_file() and p.name != "made.json"
+        },
+    }
+    (FIXTURE / "made.json").write_text(json.dumps(about, indent=1) + "\n")
 
 
 def main() -> int:
@@ -421,9 +493,20 @@ def main() -> int:
     )
     parser.add_argument("--force", action="store_true", help="--cross: every pair again")
     parser.add_argument(
+        "--kinds",
+        default=",".join(CHECKPOINT_KINDS),
+        help=f"--cross: comma-separated, of {','.join(CHECKPOINT_KINDS)} (default: all)",
+    )
+    parser.add_argument(
         "--reparse", action="store_true", help="read each failure's first error from its log again"
     )
+    parser.add_argument(
+        "--fixture", action="store_true", help=f"the page's checkpoint saved by {FIXTURE_TORCH}"
+    )
     args = parser.parse_args()
+    if args.fixture:
+        make_fixture(args.timeout)
+        return 0
     versions = [args.torch] if args.torch else list(TORCH_VERSIONS)
     unknown = set(versions) - set(TORCH_VERSIONS)
     if unknown:
@@ -434,7 +517,11 @@ def main() -> int:
     if args.cross:
         global FORCE
         FORCE = args.force
-        cross_versions(versions, args.timeout)
+        kinds = args.kinds.split(",")
+        unknown = set(kinds) - set(CHECKPOINT_KINDS)
+        if unknown:
+            raise SystemExit(f"versions: no checkpoint kind {sorted(unknown)}: {CHECKPOINT_KINDS}")
+        cross_versions(versions, args.timeout, kinds)
         return 0
     recipes = args.recipes.split(",") if args.recipes else recipe_names(ROOT)
     with tempfile.TemporaryDirectory(prefix="dcp-versions-downloads-") as scratch:

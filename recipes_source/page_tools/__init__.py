@@ -23,7 +23,9 @@ it proves:
 * ``figures``: tables rendered as HTML, and plots;
 * ``machine``: what the page ran on;
 * ``object_store``: a real S3 server (SeaweedFS) on loopback, for a page's length;
-* ``ports``: free loopback ports (a rendezvous, a server), for pages, tests and tools.
+* ``ports``: free loopback ports (a rendezvous, a server), for pages, tests and tools;
+* ``versions_matrix``: the committed version matrix (checkpoints saved by one torch
+  release, loaded by another) as tables, and the claims a page makes from it.
 
 Downloads leave all of it out: the site build removes every statement that uses this
 package from a page's script and notebook, so a download is the recipe alone.
