@@ -93,7 +93,8 @@ STORAGE_OPTIONS = {
     "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
     "config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}},
 }
-print(f"checkpoints go to s3://{BUCKET}/<run>/... and to {WORK_DIR}/local/...")
+print(f"checkpoints go to s3://{BUCKET}/<run>/...")
+print(f"and to {WORK_DIR}/local/...")
 
 # %%
 # The model and how it stages
@@ -261,7 +262,7 @@ WAYS = {
     "S3, thread": ("s3", THREAD, 1),
     "local disk, process": ("local", PROCESS, 1),
     "S3, process": ("s3", PROCESS, 1),
-    "S3, thread, 4 upload threads": ("s3", THREAD, 4),
+    "S3, 4 upload threads": ("s3", THREAD, 4),
 }
 ROUNDS = 3
 
@@ -276,7 +277,7 @@ def every_way(local_root, s3_root, storage_options, rounds=ROUNDS):
             runs.append({"round": number, "way": way, **run})
             if dist.get_rank() == 0:
                 shown = " ".join(f"{a * 1e3:.0f}+{b * 1e3:.0f}" for a, b in run["stalls_s"])
-                print(f"round {number} {way:<29} waited {shown} ms; loss {run['loss']:.6g}")
+                print(f"round {number} {way:<20} waited {shown} ms; loss {run['loss']:.6g}")
     return runs
 
 
@@ -396,15 +397,13 @@ per_checkpoint = {
 }
 results.claim(
     "four-threads-four-objects-per-rank",
-    per_checkpoint["S3, thread, 4 upload threads"] == 4 * per_checkpoint["S3, thread"]
+    per_checkpoint["S3, 4 upload threads"] == 4 * per_checkpoint["S3, thread"]
     and per_checkpoint["S3, thread"] == len(per_rank),
     "data objects per checkpoint: "
     + "; ".join(f"{way} {count}" for way, count in per_checkpoint.items()),
     objects=per_checkpoint,
 )
-said |= stalls.side_by_side_verdicts(
-    found, [("S3, thread, 4 upload threads", "S3, thread", "upload_s")]
-)
+said |= stalls.side_by_side_verdicts(found, [("S3, 4 upload threads", "S3, thread", "upload_s")])
 results.record("verdicts", said)
 
 # %%

@@ -30,7 +30,7 @@ WAYS = [
     "S3, thread",
     "local disk, process",
     "S3, process",
-    "S3, thread, 4 upload threads",
+    "S3, 4 upload threads",
 ]
 RANKS, SAVES, ROUNDS = 2, 4, 3
 # 4 weights and biases, and Adam's exp_avg, exp_avg_sq and step for each of them.
@@ -80,9 +80,9 @@ def test_requests_per_save_follow_the_objects_each_way_writes(results):
     # One data object per rank and upload thread, and .metadata.tmp (copied to .metadata).
     assert ways["S3, thread"]["requests_per_save"]["PUT"] == RANKS + 1
     assert ways["S3, process"]["requests_per_save"]["PUT"] == RANKS + 1
-    assert ways["S3, thread, 4 upload threads"]["requests_per_save"]["PUT"] == 4 * RANKS + 1
+    assert ways["S3, 4 upload threads"]["requests_per_save"]["PUT"] == 4 * RANKS + 1
     objects = results["claims"]["four-threads-four-objects-per-rank"]["evidence"]["objects"]
-    assert objects == {"S3, thread": 2, "S3, process": 2, "S3, thread, 4 upload threads": 8}
+    assert objects == {"S3, thread": 2, "S3, process": 2, "S3, 4 upload threads": 8}
 
 
 def test_every_verdict_is_rendered_from_the_recorded_numbers(results):
