@@ -1952,7 +1952,7 @@ def test_added_claim_less_and_say(capsys):
 
 
 def test_wrapped_lines_fit_and_medians_tables():
-    text = figures.wrapped("word " * 40 + "\nsecond paragraph", width=30)
+    text = figures.wrap("word " * 40 + "\nsecond paragraph", width=30)
     assert all(len(line) <= 30 for line in text.splitlines())
     assert text.splitlines()[1].startswith("  ") and text.splitlines()[-1] == "second paragraph"
     table = figures.medians(["phase", "ms"], {"stage": [0.001, 0.003, 0.002]}, 1e3)

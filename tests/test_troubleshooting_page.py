@@ -35,6 +35,7 @@ QUOTED = {
     "differs-load-rank0-path",
     "differs-load-own-path",
     "missing-key",
+    "newer-torch-checkpoint",
 }
 INLINE_QUOTED = {"default-stager-on-cpu", "cached-stager-on-cpu", "reused-stager-torch-2.11"}
 

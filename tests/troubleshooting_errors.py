@@ -229,6 +229,16 @@ def missing_key():
         quote("missing-key", error)
 
 
+def newer_torch_checkpoint():
+    """The checkpoint torch 2.15.0 saved (the cross-version page's committed fixture), loaded
+    by this older torch: every rank fails to unpickle its .metadata."""
+    path = Path(__file__).resolve().parents[1] / "recipes_source" / "cross_version_fixture"
+    try:
+        dcp.load({"weight": torch.zeros(1)}, checkpoint_id=path / "saved-by-torch-2.15.0")
+    except CheckpointException as error:
+        quote("newer-torch-checkpoint", error)
+
+
 def every_failure():
     logging.disable(logging.WARNING)  # DCP logs each failed metadata read with its traceback
     cpu_backend_missing()
@@ -240,6 +250,7 @@ def every_failure():
     replicated_directory_differs()
     reused_stager_on_torch_2_11()
     missing_key()
+    newer_torch_checkpoint()
 
 
 run_on_ranks(every_failure)

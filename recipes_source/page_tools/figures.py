@@ -255,16 +255,6 @@ def save_beside(figure: Any, results_file: Any) -> Any:
     return path
 
 
-def wrapped(text: str, width: int = 88) -> str:
-    """A sentence the page prints, in lines that fit a page's output block (90 columns, with
-    room for a ``[rankN]`` label where a rank prints it)."""
-    import textwrap
-
-    return "\n".join(
-        textwrap.fill(line, width, subsequent_indent="  ") for line in text.split("\n")
-    )
-
-
 def medians(
     columns: Sequence[str],
     rows: dict[str, Sequence[float]],

@@ -660,7 +660,7 @@ def every_checkpoint_as_saved(
     results.claim(
         claim,
         all(c.comparison.equal for c in checked),
-        said,
+        figures.wrap(said),
         checkpoints=len(checked),
         counts=_counts(checked),
         tensors=first.tensors,
@@ -712,6 +712,7 @@ def every_checkpoint_as_its_twin(
         f"{what}: {counts.count(0)} of {len(found)} checkpoints hold their twin's saved state,"
         f" bit for bit ({found[0].tensors} tensors and {found[0].values} values each)"
     )
+    said = figures.wrap(said)
     results.claim(
         claim,
         all(count == 0 for count in counts),
@@ -772,7 +773,7 @@ def every_checkpoint_torn(
     results.claim(
         claim,
         bool(checked) and held,
-        said,
+        figures.wrap(said),
         checkpoints=len(checked),
         counts=_counts(checked),
         tensors=first.tensors,

@@ -727,7 +727,7 @@ def side_by_side_verdicts(found: dict, pairs: Sequence[tuple[str, str, str]]) ->
         sentence, _ = stats.verdict(
             f"{words[metric]}, {a}", ways[a][metric], b, ways[b][metric], "ms", 1e3
         )
-        print(figures.wrapped(sentence))
+        print(figures.wrap(sentence))
         said[f"{a} vs {b}: {metric}"] = sentence
     return said
 

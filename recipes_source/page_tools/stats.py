@@ -200,7 +200,7 @@ def claim_less(
 
     said, diff = verdict(a_name, a, b_name, b, unit, scale)
     results.claim(
-        claim, not diff["within_noise"] and diff["effect"] > 0, figures.wrapped(said), **diff
+        claim, not diff["within_noise"] and diff["effect"] > 0, figures.wrap(said), **diff
     )
     return diff
 
@@ -217,7 +217,7 @@ def say(
     from page_tools import figures
 
     said, diff = verdict(a_name, a, b_name, b, unit, scale)
-    print(figures.wrapped(said))
+    print(figures.wrap(said))
     return {"said": said, **diff}
 
 
@@ -237,7 +237,7 @@ def claim_less_paired(
     results.claim(
         claim,
         all(x < y for x, y in pairs),
-        figures.wrapped(f"{a} took less than {b} in each attempt ({shown} {unit}); {said}"),
+        figures.wrap(f"{a} took less than {b} in each attempt ({shown} {unit}); {said}"),
         **diff,
     )
     return diff
