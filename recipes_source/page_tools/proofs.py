@@ -540,15 +540,20 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return whole_state(state)
 
 
-def read_checkpoints(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """``read_checkpoint`` of each path, in order. Where one is a URL, all are read in one
-    forked process (``run_on_one_process``): fsspec's event-loop thread, which s3fs starts,
-    must not outlive the read in the page's process, which forks the ranks."""
+def _reading(paths: Sequence[str], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, which reads the checkpoints ``paths``: here, or where one is a URL in
+    one forked process (``run_on_one_process``): fsspec's event-loop thread, which s3fs
+    starts, must not outlive the read in the page's process, which forks the ranks."""
     if not any(is_url(path) for path in paths):
-        return [read_checkpoint(path) for path in paths]
+        return fn(*args)
     from rank_launcher import run_on_one_process
 
-    return run_on_one_process(_read_each, list(map(os.fspath, paths)))
+    return run_on_one_process(fn, *args)
+
+
+def read_checkpoints(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """``read_checkpoint`` of each path, in order (in one forked process where one is a URL)."""
+    return _reading(paths, _read_each, list(map(os.fspath, paths)))
 
 
 def _read_each(paths: list[str]) -> list[dict[str, Any]]:
@@ -695,28 +700,22 @@ def every_checkpoint_as_its_twin(
     """Decide that each of ``checkpoints`` holds, bit for bit, the state that its twin's save
     was given: ``twin(path)`` names a checkpoint the watch ``saves`` saw (the same step of a
     deterministic run that was watched), so that saves timed unwatched are proven too. Read
-    in one forked process where a checkpoint is a URL (as ``read_checkpoints``)."""
+    and compared in one forked process where a checkpoint is a URL (as ``read_checkpoints``)."""
     given = states_by_checkpoint(saves)
     missing = sorted({twin(path) for path in checkpoints} - set(given))
     if missing or not checkpoints:
         raise ValueError(f"no watched save for the twins {missing[:3]} ({len(checkpoints)} given)")
     pairs = [(os.fspath(path), given[twin(path)]) for path in checkpoints]
-    if any(is_url(path) for path, _ in pairs):
-        from rank_launcher import run_on_one_process
-
-        found = run_on_one_process(_compare_each, pairs)
-    else:
-        found = _compare_each(pairs)
+    found = _reading(checkpoints, _compare_each, pairs)  # compared where read: no state returns
     counts = [len(c.differ) + len(c.missing) + len(c.unexpected) for c in found]
     said = (
         f"{what}: {counts.count(0)} of {len(found)} checkpoints hold their twin's saved state,"
         f" bit for bit ({found[0].tensors} tensors and {found[0].values} values each)"
     )
-    said = figures.wrap(said)
     results.claim(
         claim,
         all(count == 0 for count in counts),
-        said,
+        figures.wrap(said),
         checkpoints=len(found),
         differing=[path for (path, _), count in zip(pairs, counts, strict=True) if count][:20],
         tensors=found[0].tensors,
