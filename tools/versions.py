@@ -36,6 +36,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -193,6 +194,23 @@ def snapshot_downloads(recipes: list[str], into: Path) -> dict[str, Path]:
 LOGS = ROOT / "_build" / "versions"  # each run's whole output, torch-X/<recipe>.log
 
 
+def run_in_session(command: list[str], timeout: int, **popen: Any) -> tuple:
+    """Run ``command`` in a session of its own; at ``timeout`` its whole process group (a
+    script's ranks too) is killed. Returns (returncode, stdout, stderr, timed out)."""
+    popen.setdefault("stderr", subprocess.PIPE)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, start_new_session=True, **popen
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        timed_out = True
+    return process.returncode, stdout, stderr or "", timed_out
+
+
 def run_script(python: Path, script: Path, timeout: int, log: Path | None = None) -> dict:
     """Run one download alone in an empty directory; passed, or its first error."""
     with tempfile.TemporaryDirectory(prefix="dcp-versions-") as scratch:
@@ -202,33 +220,21 @@ def run_script(python: Path, script: Path, timeout: int, log: Path | None = None
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=scratch)
         env.pop("PYTHONPATH", None)
         start = time.monotonic()
-        process = subprocess.Popen(
-            ["nice", "-n", "19", str(python), local.name],
-            cwd=scratch,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+        command = ["nice", "-n", "19", str(python), local.name]
+        returncode, output, _, timed_out = run_in_session(
+            command, timeout, cwd=scratch, env=env, stderr=subprocess.STDOUT
         )
-        try:
-            output, _ = process.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            timed_out = True
         seconds = round(time.monotonic() - start, 1)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(output)
-    result = {"status": "passed" if process.returncode == 0 else "failed", "seconds": seconds}
+    result = {"status": "passed" if returncode == 0 else "failed", "seconds": seconds}
     if timed_out:
         result.update(status="failed", error=f"timed out after {timeout} s", where="")
-    elif process.returncode != 0:
+    elif returncode != 0:
         error, where, recipe_line = first_error(output, script.name)
         result.update(error=error, where=where, recipe_line=recipe_line)
-        result["exit_code"] = process.returncode
+        result["exit_code"] = returncode
     printed = [line for line in output.splitlines() if line.strip()]
     result["last_lines"] = printed[-3:]
     return result
@@ -418,31 +424,21 @@ def cross_kind(kind: str, ready: list[str], timeout: int) -> None:
 def run_cross(python: Path, args: list, timeout: int, log: Path) -> dict:
     """One cross_version.py run (its 2 ranks too), killed with its process group at timeout."""
     start = time.monotonic()
-    process = subprocess.Popen(
+    returncode, stdout, stderr, timed_out = run_in_session(
         ["nice", "-n", "19", str(python), str(CROSS_SCRIPT), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        timeout,
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-        start_new_session=True,
     )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        timed_out = True
     output = stdout + stderr
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(output)
     outcome = {
-        "status": "passed" if process.returncode == 0 and not timed_out else "failed",
+        "status": "passed" if returncode == 0 and not timed_out else "failed",
         "seconds": round(time.monotonic() - start, 1),
     }
     if timed_out:
         outcome.update(error=f"timed out after {timeout} s", where="")
-    elif process.returncode != 0:
+    elif returncode != 0:
         error, where, _ = first_error(output, CROSS_SCRIPT.name)
         outcome.update(error=error, where=where)
     outcome["last_lines"] = [line for line in stdout.splitlines() if line.strip()][-1:]
