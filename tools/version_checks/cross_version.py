@@ -47,9 +47,14 @@ WORLD_SIZE = 2
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a rank that waits on a failed one gives up
 
 
-def model_and_optimizer(seed):
+def toy_model(seed):
+    """The one model of every kind: the same seed gives the same weights on every release."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def model_and_optimizer(seed):
+    model = toy_model(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.rand(8, 16)).sum().backward()
     optimizer.step()
@@ -59,8 +64,7 @@ def model_and_optimizer(seed):
 def sharded_model(seed):
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = toy_model(seed)
     fully_shard(model[0])
     fully_shard(model[2])
     fully_shard(model)
@@ -122,11 +126,16 @@ def compare(path, want, got, whole=False):
     return 0
 
 
+def convert(path, file):
+    """The way through: one ``torch.save`` file, written in one process from every shard."""
+    dcp_to_torch_save(path, file)
+    print(f"torch {torch.__version__} converted {path} to {file}")
+    return 0
+
+
 def model_kind(mode, path, *more):
     if mode == "convert":
-        dcp_to_torch_save(path, more[0])
-        print(f"torch {torch.__version__} converted {path} to {more[0]}")
-        return 0
+        return convert(path, more[0])
     saved = state(*model_and_optimizer(seed=0))
     if mode == "save":
         dcp.save(saved, checkpoint_id=path)
@@ -208,9 +217,7 @@ def rank_main(rank, args):
 
 def on_ranks(kind, mode, path, *more):
     if mode == "convert":  # one process reads every rank's shards
-        dcp_to_torch_save(path, more[0])
-        print(f"torch {torch.__version__} converted {path} to {more[0]}")
-        return 0
+        return convert(path, more[0])
     if mode == "load-safetensors":  # no DCP, no process group: the files themselves
         from safetensors.torch import load_file
 
@@ -234,8 +241,7 @@ def on_ranks(kind, mode, path, *more):
 
 def sharded_model_state_whole():
     """What the 2 ranks' ``hf`` model holds, whole: the same seed, unsharded."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).state_dict()
+    return toy_model(seed=0).state_dict()
 
 
 def main(argv):
