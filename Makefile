@@ -24,7 +24,7 @@ help:
 	@echo "make html-noplot  render every page without executing anything (fast)"
 	@echo "make test         lint, build the site, run the tests (what CI runs)"
 	@echo "make lint         lintrunner --all-files"
-	@echo "make reruns       each page's script under torchrun, its claims at other numbers of ranks"
+	@echo "make reruns       each page's download alone and under torchrun, its claims at other ranks"
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
 	@echo "make bench        the benchmark recipes at full size (about 1 GB), into $(BUILD)/bench"
 	@echo "make stress       every page's script and notebook at 3 ranks, the HF page 30 times"
@@ -66,11 +66,12 @@ browser-deps:
 # One worker per core; a worker takes over another's tests when it runs out (worksteal).
 PYTEST_ARGS ?= -n auto --dist worksteal
 
-# make test runs each page once more than the build (its notebook, alone, compared with the
-# page); the runs beyond that (every script under torchrun but the getting-started page's,
-# the claims at 1 or 3 ranks: about 500 CPU-seconds here) are `make reruns`, CI's second
-# test job on every change.
-RERUNS := torchrun or ranks
+# make test reads what the build executed and runs one page again: the getting-started page's
+# download, alone (notebook), under torchrun and under two agents. Running every other page
+# again (its notebook alone, compared with the page; its script under torchrun; its claims at
+# 1 or 3 ranks: about 1,100 CPU-seconds here) is `make reruns`, CI's second test job on every
+# change.
+RERUNS := torchrun or ranks or download
 
 pytest: $(READY) browser-deps
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not ($(RERUNS))"

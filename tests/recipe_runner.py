@@ -241,8 +241,9 @@ class RecipeRunner:
 
         The script download and the notebook hold the same code (a site test says so), and
         both start their ranks through the same launcher: this run stands for both. The
-        script's other path, ``torchrun``, is each recipe module's test marked ``torchrun``
-        (``make reruns``).
+        tests that call it are marked ``download`` (``make reruns``), but the getting-started
+        page's; the script's other path, ``torchrun``, is each recipe module's test marked
+        ``torchrun``.
         """
         args = [f"{name}.ipynb"]
         try:

@@ -133,6 +133,7 @@ def test_each_runs_checkpoint_is_the_state_at_its_save_not_at_the_end(built, run
     assert built["claims"][f"{run}-is-not-the-state-after"]["evidence"]["differ"] == TENSORS
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches time and snapshot the recipe, they do not change it."""
     recipes_before = sorted(os.listdir(RECIPES))

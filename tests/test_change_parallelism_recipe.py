@@ -54,6 +54,7 @@ def test_dtype_loads_cast(built):
         assert built["claims"][claim]["evidence"]["tensors"] == 4
 
 
+@pytest.mark.download
 def test_download_on_four_ranks_runs_the_2d_cell(recipe_runner):
     """The notebook forks 4 ranks (as ``DCP_RECIPES_WORLD_SIZE=4 python`` does): every load
     of the 2-D checkpoint runs on those 4, 1-D."""

@@ -308,6 +308,7 @@ def test_the_page_shows_the_runs_the_results_file_holds(build):
     assert figure.read_bytes().startswith(b"\x89PNG"), "the figure beside the results file"
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches do not change the recipe: the same runs, the same losses."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

@@ -139,6 +139,7 @@ def test_the_converted_fixture_loads_here_with_the_saved_values():
     assert all(script.same(saved[k], loaded[k]) for k in saved)
 
 
+@pytest.mark.download
 def test_download_prints_what_the_page_shows(recipe_runner):
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))

@@ -147,6 +147,7 @@ def test_page_shows_the_timeline_and_links_the_trace(site):
     assert not any("USDT" in text for text in page_outputs(RECIPE)), "no profiler log lines"
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches do not change the loop: the same weights after training, in both
     loops and at every checkpoint, as on the page; and nothing of the page's work."""

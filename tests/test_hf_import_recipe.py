@@ -111,6 +111,7 @@ def test_tied_embeddings_and_the_value_head(built):
     assert claims["checkpoint-exception-is-not-an-exception"]["held"] is True
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

@@ -86,6 +86,7 @@ def test_without_consolidation_each_file_holds_one_ranks_slices(built):
     assert built["claims"]["unconsolidated-file-holds-one-ranks-rows"]["evidence"]["rows"] == 1024
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

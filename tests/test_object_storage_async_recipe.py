@@ -101,6 +101,7 @@ def test_every_verdict_is_rendered_from_the_recorded_numbers(results):
     assert all(sentence in shown for sentence in verdicts.values()), "the page shows each"
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner, s3_server):
     """Every way, every round: the losses the page shows; the download leaves nothing."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2, **s3_server.env()))

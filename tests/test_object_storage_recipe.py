@@ -74,6 +74,7 @@ def test_requests_and_bytes_per_save(results):
     assert len(set(data.values())) == 1, data
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner, s3_server):
     """No kill in the download: its losses and objects are the page's, it leaves nothing."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2, **s3_server.env()))

@@ -87,6 +87,7 @@ def test_excluded_and_renamed_keys(claims):
     assert claims["renamed-keys-load"]["evidence"]["tensors"] == 4
 
 
+@pytest.mark.download
 def test_download_prints_what_the_page_shows(recipe_runner):
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))

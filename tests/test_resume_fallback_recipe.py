@@ -71,6 +71,7 @@ def test_the_loop_is_the_resume_pages_own_code():
     assert [name for name in sorted(shared) if here[name] != there[name]] == []
 
 
+@pytest.mark.download
 def test_download_runs_alone(recipe_runner):
     output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
     assert "step 60: CheckpointException on load; renamed step-00000060.unreadable" in output

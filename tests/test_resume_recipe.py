@@ -95,6 +95,7 @@ def test_clean_up_keeps_the_newest_k_and_never_the_one_in_flight(claims):
     assert evidence["left"] == list(saves)[-KEEP:]
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's kills and watches do not change the recipe: every launch of the download
     (none of them killed) prints the losses of the page's uninterrupted run."""

@@ -209,6 +209,7 @@ def test_the_page_shows_tables_and_the_figure_in_its_column(values):
     assert (RESULTS / f"{RECIPE}.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's work watches the recipe: same model, same bytes written, same rounds."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

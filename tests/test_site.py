@@ -597,6 +597,40 @@ def test_workflows_parse_and_run_make_test():
     assert any("make gpu-check" in c for c in commands), "the GPU job runs make gpu-check"
 
 
+def download_runs(test_module: Path) -> dict[str, list[str]]:
+    """The tests of ``test_module`` that run the page's download alone to its end
+    (``assert_ok(recipe_runner.notebook_run(...))`` or ``...python(...)``; a run that must
+    fail on bad input is not one): test name -> the names of its pytest markers."""
+    runs = {}
+    for node in ast.parse(test_module.read_text()).body:
+        if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+            continue
+        calls = {
+            ast.unparse(call.args[0].func)
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call)
+            and ast.unparse(call.func) == "assert_ok"
+            and call.args
+            and isinstance(call.args[0], ast.Call)
+        }
+        if calls & {"recipe_runner.notebook_run", "recipe_runner.python"}:
+            runs[node.name] = [ast.unparse(marker).split(".")[-1] for marker in node.decorator_list]
+    return runs
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_every_pages_download_runs_alone_in_make_test_or_make_reruns(name):
+    """Each page's test module runs its download alone; the getting-started page's in
+    `make test`, every other page's marked ``download`` (`make reruns`, CI on every change)."""
+    runs = download_runs(ROOT / "tests" / f"test_{name}.py")
+    assert runs, f"no test runs {name}'s download alone"
+    in_make_test = [test for test, markers in runs.items() if "download" not in markers]
+    if f"{name}.py" == dcp_site.RECIPE_ORDER[0]:
+        assert in_make_test, "make test runs the getting-started page's download"
+    else:
+        assert in_make_test == [], "make test reads the build; the reruns are make reruns'"
+
+
 def copy_site(tmp_path: Path) -> Path:
     """The site's sources, without build output, in a temporary folder."""
     copy = tmp_path / "site"
@@ -648,7 +682,9 @@ def test_pages_in_a_browser(site):
     from site_browser import check_pages
 
     pages = ["index.html"] + [f"recipes/{name}.html" for name in RECIPE_NAMES]
-    reports = check_pages(site, pages, ROOT / "_build" / "screenshots")
+    # Every copy button on the landing page and the model page; the first and last elsewhere.
+    every_copy_on = {"index.html", f"recipes/{dcp_site.RECIPE_ORDER[0].removesuffix('.py')}.html"}
+    reports = check_pages(site, pages, ROOT / "_build" / "screenshots", every_copy_on=every_copy_on)
     for report in reports:
         assert report.status == 200 and report.title and report.h1, report.summary()
         assert not report.errors, report.summary()

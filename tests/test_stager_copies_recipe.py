@@ -70,6 +70,7 @@ def test_the_default_options_need_an_accelerator(claims):
     assert raised == [None] or raised[0].startswith("AssertionError: Non-blocking copy")
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """Without the page's holds the dict passed by reference is a race; the rest is not."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

@@ -86,6 +86,7 @@ def test_the_page_shows_what_the_build_decided():
     assert all(len(line) <= 90 for line in shown.splitlines()), "a line runs off the column"
 
 
+@pytest.mark.download
 def test_download_runs_alone_on_one_rank(recipe_runner):
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=1))
     shown = "".join(page_outputs(RECIPE))

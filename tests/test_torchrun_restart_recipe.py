@@ -101,6 +101,7 @@ def test_the_restart_probe_counts_each_job(results):
     assert counts["own-store-2-agents"]["restart_counts"] == [0, 3]
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """Not killed, the download's torchrun job and its other launches train as the page's
     uninterrupted run does: the same loss at every save. The script, not the notebook: its
@@ -120,6 +121,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+@pytest.mark.download
 def test_notebook_runs_alone_and_says_where_the_job_runs(recipe_runner):
     """In a kernel the page's launches run; its torchrun job, which needs the file, says so."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

@@ -166,6 +166,7 @@ def assert_reaches_the_same_ends(output: str) -> None:
     assert_no_traceback(output)
 
 
+@pytest.mark.download
 def test_download_runs_alone(recipe_runner):
     output = assert_ok(recipe_runner.python(RECIPE, world_size=2))
     assert_reaches_the_same_ends(output)
