@@ -136,12 +136,36 @@ def _selected_to_run(app: Sphinx, stem: str) -> bool:
     return re.search(conf["filename_pattern"], str(source)) is not None
 
 
+# Pages whose headline is a time, a speed or an amount of memory. Each has a section in
+# on_gpus.rst that says which of its conclusions change on GPUs, and why: until a GPU build
+# has run the page, its run stamp says its numbers come from CPU ranks, and includes it.
+ON_GPUS = "on_gpus.rst"
+PERFORMANCE_PAGES = (
+    "async_save_recipe",
+    "default_stager_recipe",
+    "checkpoint_stall_benchmark",
+    "save_load_speed_recipe",
+    "object_storage_async_recipe",
+)
+
+
 def stamp_block(stamp: dict) -> str:
-    """The reST admonition that says where a page was last executed."""
-    where = (
-        f"torch ``{stamp['torch']}`` · {stamp['device']} · backend ``{stamp['backend']}`` · "
-        f"world size {stamp['world_size']} ({stamp['launcher']}) · {stamp['date']}"
+    """The reST admonition that says where a page was last executed: torch, the device,
+    the host's memory, the storage its checkpoints went to, the backend and the ranks."""
+    host = [f"{stamp['memory_gib']} GiB memory"] if "memory_gib" in stamp else []
+    host += [f"checkpoints on {stamp['storage']}"] if "storage" in stamp else []
+    where = " · ".join(
+        [f"torch ``{stamp['torch']}``", stamp["device"], *host, f"backend ``{stamp['backend']}``"]
+        + [f"world size {stamp['world_size']} ({stamp['launcher']})", stamp["date"]]
     )
+    if stamp.get("recipe") in PERFORMANCE_PAGES and "nccl" not in stamp["backend"]:
+        where += (
+            "\n\n   **The numbers on this page come from CPU ranks with gloo**: no GPU build"
+            " of it has run. On GPUs (every page: :doc:`/on_gpus`):\n\n"
+            f"   .. include:: /{ON_GPUS}\n"
+            f"      :start-after: .. {stamp['recipe']}: begin\n"
+            f"      :end-before: .. {stamp['recipe']}: end\n"
+        )
     return f".. admonition:: Last executed\n   :class: dcp-run-stamp\n\n   {where}\n"
 
 

@@ -453,7 +453,7 @@ stalls.claim_complete("every-checkpoint-complete", RUNS)
 stalls.claim_same_losses("checkpoints-leave-training-unchanged", RUNS)
 stalls.claim_timers_enclose_blocking_saves("loop-timers-see-blocking-saves", RUNS)
 results.record("config", stalls.config(CHECKPOINT_GB, SCHEDULE, ROUNDS, STEPS, EVERY, per_rank))
-results.record("machine", machine.describe())
+results.record("machine", machine.describe(WORK_DIR))
 
 
 # %%

@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import figures, memory, proofs, results, timing
+from page_tools import figures, machine, memory, proofs, results, timing
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -397,6 +397,7 @@ figures.timelines(
     rows=timing.ROWS,
     colors=timing.COLORS,
     xlabel="ms since step 1 began (rank 0)",
+    title=machine.title(),
 )
 
 

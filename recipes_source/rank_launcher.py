@@ -144,10 +144,40 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _storage(path: str) -> str:
+    """The file system ``path`` is on, from /proc/mounts: "ext4 (/dev/vda, 271 GB)"."""
+    path = os.path.realpath(path)
+    device, fs_type, mount_point = "", "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            mount = fields[1].replace("\\040", " ")
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(mount_point):
+                device, mount_point, fs_type = fields[0], mount, fields[2]
+    stats = os.statvfs(path)
+    size = f"{stats.f_blocks * stats.f_frsize / 1e9:,.0f} GB"
+    if not fs_type:
+        return size
+    return f"{fs_type} ({device}, {size})" if device.startswith("/dev/") else f"{fs_type} ({size})"
+
+
+def machine_facts(directory: str | None = None) -> dict:
+    """The host a page ran on: CPU, cores, memory, and the storage under ``directory``
+    (the temporary directory, where ``shared_tempdir`` puts checkpoints, by default)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory / 2**30, 1),
+        "storage": _storage(directory or tempfile.gettempdir()),
+    }
+
+
 def _device_description() -> str:
     """Called on a rank (never in the launching parent): may touch CUDA."""
     if _use_gpus():
-        return f"{torch.cuda.get_device_name()} (GPU)"
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()} (GPU)"
     return f"{_cpu_name()}, {os.cpu_count()} cores (CPU)"
 
 
@@ -159,6 +189,7 @@ def _write_stamp(device: str, ranks: int) -> None:
         "recipe": _recipe_name(),
         "torch": torch.__version__,
         "device": device,
+        **{key: machine_facts()[key] for key in ("memory_gib", "storage")},
         "backend": _backend(),
         "world_size": ranks,
         "launcher": "torchrun" if under_torchrun() else "fork",

@@ -481,7 +481,7 @@ memory.heap_table({strategy: m["heap_change"] for strategy, m in MEMORY.items()}
 # %%
 # RSS above the start after each save, on the rank that is highest there:
 
-figures.save_with_results(memory.rss_figure(memory_runs, f"torch {torch.__version__}"))
+figures.save_with_results(memory.rss_figure(memory_runs, machine.title(WORK_DIR)))
 
 # %%
 # The advice for this machine
@@ -495,7 +495,8 @@ BEST_SAVE = max(set(KNOBS) - {NO_FSYNC}, key=lambda name: stats.median(KNOBS[nam
 BEST_LOAD = max(KNOBS, key=lambda name: stats.median(KNOBS[name]["cold_load_GBps"]))
 GREW_MOST = memory.grew_most(MEMORY)
 MACHINE = results.record(
-    "machine", machine.describe() | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE])
+    "machine",
+    machine.describe(WORK_DIR) | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE]),
 )
 HEADLINE = results.record(
     "headline",

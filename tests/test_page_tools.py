@@ -1528,8 +1528,14 @@ def test_advice_gives_none_where_the_lead_is_noise():
     assert found["stall_per_checkpoint_s"]["best"] == "a"
     assert found["stall_per_checkpoint_s"]["second"] == "c"
     assert found["stall_per_checkpoint_s"]["choose"] is None
+    undecided = found
     found = stalls.advice(summary, ["a", "b"], {"stall_per_checkpoint_s": "it matters"})
     assert found["stall_per_checkpoint_s"]["choose"] == "a"
+    # The table never leaves the answer empty: within noise it names both, and what to do.
+    (row,) = stalls.advice_table(undecided).rows
+    assert row[1].startswith("either: a and c within noise here; time both on your machine")
+    (row,) = stalls.advice_table(found).rows
+    assert row[1] == "a"
 
 
 def test_the_benchmarks_checks_fail_where_they_should():
@@ -2595,3 +2601,63 @@ def test_versions_matrix_compares_what_a_page_saw_with_the_matrix(tmp_path, monk
     versions_matrix.the_matrix_says("d", matrix, "model", "2.3.0", "9.9.9", "passed", None)
     claims = json.loads((tmp_path / "some_recipe.json").read_text())["claims"]
     assert claims["a"]["held"] is True and claims["d"]["held"] is None
+
+
+# --------------------------------------------------------------------------
+# machine: what a page ran on, for its results file and its figures' titles
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["tmp", "/dev/shm", "/proc"])
+def test_machine_names_the_file_system_the_checkpoints_go_to(tmp_path, where):
+    from page_tools import machine
+
+    path = str(tmp_path) if where == "tmp" else where
+    if not os.path.isdir(path):
+        pytest.skip(f"{path} is not on this machine")
+    found = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE,SOURCE", "--target", path],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    fs_type, source = found[-1].split()  # mounts stacked on one point: the top one
+    storage = machine.describe(path)["storage"]
+    assert storage.startswith(f"{fs_type} ("), (storage, found)
+    if source.startswith("/dev/"):
+        assert storage.startswith(f"{fs_type} ({source}, "), (storage, found)
+    else:
+        assert "/dev/" not in storage, (storage, found)
+    size_gb = os.statvfs(path).f_blocks * os.statvfs(path).f_frsize / 1e9
+    assert storage.endswith(f"{size_gb:,.0f} GB)"), storage
+
+
+def test_machine_title_names_cpu_cores_memory_storage_and_ranks():
+    import psutil
+    from page_tools import machine
+
+    facts = machine.describe()
+    assert facts["cores"] == os.cpu_count()
+    assert abs(facts["memory_gib"] - psutil.virtual_memory().total / 2**30) < 0.1
+    title = machine.title()
+    ranks = f"{facts['gpus']} GPU(s)" if facts["gpus"] else "CPU ranks (gloo)"
+    host, storage = title.split("\n")
+    assert (
+        host == f"{facts['cpu']}, {os.cpu_count()} cores, {facts['memory_gib']} GiB memory; {ranks}"
+    )
+    assert storage == f"checkpoints on {facts['storage']}; torch {torch.__version__}"
+
+
+def test_a_timeline_figure_is_titled_with_the_machine():
+    from page_tools import machine
+
+    panel = ("a run", [("training thread", "forward", 0.0, 1.0)], [])
+    figure = figures.timelines(
+        [panel, panel],
+        rows=["training thread"],
+        colors={"forward": "C0"},
+        xlabel="ms",
+        title=machine.title(),
+    )
+    assert figure._suptitle.get_text() == machine.title()
+    assert [axis.get_title(loc="left") for axis in figure.axes] == ["a run", "a run"]

@@ -156,3 +156,6 @@ def test_a_pages_run_stamp_names_its_first_launch(recipe_runner, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     stamp = json.loads((stamps / "two_launches.json").read_text())
     assert stamp["world_size"] == 2 and stamp["backend"] == "gloo", stamp
+    # The host: its memory, and the storage of the temporary directory (shared_tempdir's).
+    facts = rank_launcher.machine_facts(recipe_runner.env()["TMPDIR"])
+    assert (stamp["memory_gib"], stamp["storage"]) == (facts["memory_gib"], facts["storage"])

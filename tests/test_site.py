@@ -153,6 +153,35 @@ def test_page_says_where_it_was_last_executed(site, name):
     assert re.search(r"world size \d+", text)
     assert re.search(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", text)
     assert "(CPU)" in text or "(GPU)" in text
+    assert re.search(r"· [\d.]+ GiB memory · checkpoints on \S+ \(", text), text
+
+
+def on_gpus_section(name: str) -> str:
+    """The page's part of on_gpus.rst: what changes on GPUs, as plain text."""
+    source = (ROOT / dcp_site.ON_GPUS).read_text()
+    begin, end = f".. {name}: begin\n", f".. {name}: end\n"
+    assert source.count(begin) == 1 and source.count(end) == 1, f"{name}: no section"
+    return " ".join(source.split(begin)[1].split(end)[0].split()).replace("``", "")
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_a_performance_page_says_its_numbers_come_from_cpu_ranks(site, name):
+    """Until a GPU build has run it, a page whose headline is a time, a speed or memory
+    says at its top that its numbers come from CPU ranks, and what changes on GPUs."""
+    stamp = page(site, name).select_one("div.dcp-run-stamp").get_text(" ", strip=True)
+    on_cpu = "backend gloo" in stamp
+    says = "come from CPU ranks with gloo" in stamp
+    assert says == (name in dcp_site.PERFORMANCE_PAGES and on_cpu), stamp
+    if says:
+        assert on_gpus_section(name) in " ".join(stamp.split()), stamp
+
+
+def test_the_gpu_page_has_a_section_for_every_performance_page(site):
+    doc = soup(site / "on_gpus.html")
+    text = " ".join(doc.get_text(" ").split())
+    for name in dcp_site.PERFORMANCE_PAGES:
+        assert on_gpus_section(name) in text, name
+    assert set(dcp_site.PERFORMANCE_PAGES) <= set(RECIPE_NAMES)
 
 
 def test_versionadded_renders_where_used(site):

@@ -91,20 +91,22 @@ def timelines(
     colors: dict[str, str],
     xlabel: str,
     figsize: tuple[float, float] = (10, 5),
+    title: str = "",
 ):
     """One horizontal timeline per panel, stacked, sharing their time axis.
 
     Each panel is ``(title, bars, marks)``: a bar ``(row, what, start, end)`` is drawn on
     the row of that name, in the colour of ``what``; a mark ``(x, label)`` is written
-    above the first row. Time starts at 0; the legend names every colour. Returns the
-    matplotlib figure (a page cell that makes it shows it).
+    above the first row. Time starts at 0; the legend names every colour; ``title`` (the
+    machine, ``machine.title()``) goes above the panels. Returns the matplotlib figure (a
+    page cell that makes it shows it).
     """
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(len(panels), 1, figsize=figsize, sharex=True, squeeze=False)
     where = {row: i for i, row in enumerate(rows)}
     latest = 0.0
-    for axis, (title, bars, marks) in zip(axes[:, 0], panels, strict=True):
+    for axis, (panel_title, bars, marks) in zip(axes[:, 0], panels, strict=True):
         for row, what, start, end in bars:
             axis.broken_barh([(start, end - start)], (where[row] - 0.4, 0.8), color=colors[what])
             latest = max(latest, end)
@@ -112,7 +114,7 @@ def timelines(
             axis.annotate(label, (x, -0.45), ha="center", va="bottom", fontsize=8)
         axis.set_yticks(range(len(rows)), [row.replace(" ", "\n", 1) for row in rows])
         axis.set_ylim(len(rows) - 0.4, -1.1)  # the first row on top
-        axis.set_title(title, loc="left", fontsize=10)
+        axis.set_title(panel_title, loc="left", fontsize=10)
     axes[-1, 0].set_xlim(0, 1.02 * latest or 1)
     axes[-1, 0].set_xlabel(xlabel)
     figure.legend(
@@ -123,6 +125,8 @@ def timelines(
         fontsize=8,
         frameon=False,
     )
+    if title:
+        figure.suptitle(title, fontsize=10)
     figure.tight_layout(rect=(0, 0.1, 1, 1))
     return figure
 

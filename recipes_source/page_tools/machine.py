@@ -1,30 +1,25 @@
-"""What a page ran on: the CPU's name, cores and memory, the GPUs, the torch version."""
+"""What a page ran on: CPU, cores, memory, the storage its checkpoints went to, the GPUs,
+the torch version (the launcher's ``machine_facts``, which also writes the run stamp)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import platform
-from pathlib import Path
-
-import psutil
 import torch
+from rank_launcher import machine_facts
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def describe(directory: str | None = None) -> dict:
+    """The machine, as a page's results file records it, with the storage under
+    ``directory`` (the temporary directory by default). Asks NVML, never starts CUDA."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return machine_facts(directory) | {"gpus": gpus, "torch": torch.__version__}
 
 
-def describe() -> dict:
-    """The machine, as a page's results file records it (asks NVML, never starts CUDA)."""
-    return {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "torch": torch.__version__,
-    }
+def title(directory: str | None = None) -> str:
+    """Two lines for a figure's title: "AMD EPYC, 2 cores, 23.5 GiB memory; CPU ranks
+    (gloo)" and "checkpoints on ext4 (/dev/vda, 271 GB); torch 2.13.0+cpu"."""
+    facts = describe(directory)
+    ranks = f"{facts['gpus']} GPU(s)" if facts["gpus"] else "CPU ranks (gloo)"
+    return (
+        f"{facts['cpu']}, {facts['cores']} cores, {facts['memory_gib']} GiB memory; {ranks}\n"
+        f"checkpoints on {facts['storage']}; torch {facts['torch']}"
+    )

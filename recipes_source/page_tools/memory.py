@@ -478,7 +478,7 @@ def rss_figure(runs: dict[str, Sequence[dict]], title: str):
     }
     share = max(run["bytes"] for ranks in runs.values() for run in ranks)
     ranks = max(len(ranks) for ranks in runs.values())
-    title = f"{title}: {ranks} rank(s), {share / 1e6:.0f} MB per rank, the highest rank"
+    title = f"{title}\n{ranks} rank(s), {share / 1e6:.0f} MB per rank, the highest rank"
     return figures.lines(
         series, "save", "RSS above the start (MB)", title, share / 1e6, "one copy of a rank's share"
     )

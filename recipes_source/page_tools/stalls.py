@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from page_tools import disk, figures, observe, results, stats, timing
+from page_tools import disk, figures, machine, observe, results, stats, timing
 
 BASELINE = "no checkpoint"
 # metric: (heading, format, unit, the value of "no effect"; None: not an effect)
@@ -465,8 +465,15 @@ def goals_table(found: dict) -> figures.Table:
 
 
 def advice_table(found: dict) -> figures.Table:
+    # Never an empty answer: within noise, the table says so, and what to measure instead.
     rows = [
-        [f"when {a['when']}", a["choose"] or "no advice: within noise", a["said"]]
+        [
+            f"when {a['when']}",
+            a["choose"]
+            or f"either: {a['best']} and {a['second']} within noise here; time both on your"
+            " machine (make bench)",
+            a["said"],
+        ]
         for a in found.values()
     ]
     return figures.Table(["criterion", "choose", "from the rounds"], rows)
@@ -584,12 +591,12 @@ def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: fl
 def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
     """Left: the stall per checkpoint (log scale), with one copy of a rank's share for
     reference. Right: the total overhead over the run without checkpoints. Medians, with
-    the lowest and highest round as whiskers. The title names the machine, the size and
-    ``what`` ran."""
+    the lowest and highest round as whiskers. The title names the machine (with the
+    storage of the temporary directory, where ``shared_tempdir`` puts checkpoints), the
+    size and ``what`` ran."""
     copy_seconds = found_limits["copy_s"]
     title = (
-        f"torch {torch.__version__}, {os.cpu_count()} cores: checkpoint "
-        f"{found_limits['checkpoint_bytes'] / 1e9:.2f} GB, "
+        f"{machine.title()}\ncheckpoint {found_limits['checkpoint_bytes'] / 1e9:.2f} GB, "
         f"{len(found_limits['GBps_per_rank'])} rank(s), {what}"
     )
     stalls_ = [summary[n]["stall_per_checkpoint_s"] for n in names]
