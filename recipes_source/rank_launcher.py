@@ -185,11 +185,13 @@ def _write_stamp(device: str, ranks: int) -> None:
     stamp_dir = os.environ.get(STAMP_DIR_ENV)
     if not stamp_dir:
         return
+    host = machine_facts()
     stamp = {
         "recipe": _recipe_name(),
         "torch": torch.__version__,
         "device": device,
-        **{key: machine_facts()[key] for key in ("memory_gib", "storage")},
+        "memory_gib": host["memory_gib"],
+        "storage": host["storage"],
         "backend": _backend(),
         "world_size": ranks,
         "launcher": "torchrun" if under_torchrun() else "fork",
