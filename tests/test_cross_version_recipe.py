@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-from bs4 import BeautifulSoup
 from page_tools import versions_matrix
 from recipe_runner import (
     HTML,
@@ -25,6 +24,7 @@ from recipe_runner import (
     assert_ok,
     build_results,
     page_outputs,
+    parsed_html,
 )
 
 from dcp_site import CHECKPOINT_KINDS, TORCH_VERSIONS, load_version_results
@@ -66,7 +66,7 @@ def test_the_page_counted_the_committed_pairs(built):
 
 
 def _page_tables():
-    doc = BeautifulSoup((HTML / "recipes" / f"{RECIPE}.html").read_text(), "html.parser")
+    doc = parsed_html(HTML / "recipes" / f"{RECIPE}.html")
     return {t.caption.get_text(): t for t in doc.select("table.dcp-results") if t.caption}
 
 

@@ -12,7 +12,6 @@ import json
 import statistics
 
 import pytest
-from bs4 import BeautifulSoup
 from recipe_runner import (
     assert_no_traceback,
     assert_ok,
@@ -20,6 +19,7 @@ from recipe_runner import (
     checkpoint_files_in_repo,
     numbers_in,
     page_outputs,
+    parsed_html,
     recipe_path,
 )
 
@@ -136,7 +136,7 @@ def test_the_traces_hold_the_loops(built):
 
 
 def test_page_shows_the_timeline_and_links_the_trace(site):
-    page = BeautifulSoup((site / "recipes" / f"{RECIPE}.html").read_text(), "html.parser")
+    page = parsed_html(site / "recipes" / f"{RECIPE}.html")
     assert page.select("img.sphx-glr-single-img"), "the timeline figure"
     assert len(page.select("table.dcp-results")) == 3, "saves, blocked time, trace ranges"
     links = {a.get_text(" ", strip=True): a["href"] for a in page.select("div.dcp-page-links a")}

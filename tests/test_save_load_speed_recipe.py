@@ -14,7 +14,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from bs4 import BeautifulSoup
 from page_tools import results as page_results
 from recipe_runner import (
     HTML,
@@ -25,6 +24,7 @@ from recipe_runner import (
     checkpoint_files_in_repo,
     numbers_in,
     page_outputs,
+    parsed_html,
 )
 
 RECIPE = "save_load_speed_recipe"
@@ -197,7 +197,7 @@ def test_the_advice_renders_each_knob_with_its_noise_verdict(values):
 
 def test_the_page_shows_tables_and_the_figure_in_its_column(values):
     """The one test of the rendered page: its outputs fit an 816 px column."""
-    page = BeautifulSoup((HTML / "recipes" / f"{RECIPE}.html").read_text(), "html.parser")
+    page = parsed_html(HTML / "recipes" / f"{RECIPE}.html")
     tables = page.select("table.dcp-results")
     assert len(tables) >= 8, "limits, saves, loads, replicated, memory, heap, best, advice"
     outputs = page_outputs(RECIPE)

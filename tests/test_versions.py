@@ -14,8 +14,7 @@ import sys
 
 import pytest
 import yaml
-from bs4 import BeautifulSoup
-from recipe_runner import RECIPE_NAMES, RECIPES, ROOT
+from recipe_runner import RECIPE_NAMES, RECIPES, ROOT, parsed_html
 
 import dcp_site
 from dcp_site import (
@@ -39,7 +38,7 @@ RESULTS = load_version_results(ROOT)
 
 
 def soup(path):
-    return BeautifulSoup(path.read_text(), "html.parser")
+    return parsed_html(path)
 
 
 def test_results_file_is_consistent():
