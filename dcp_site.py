@@ -62,6 +62,7 @@ RECIPE_ORDER = (
     "save_load_speed_recipe.py",
     "object_storage_recipe.py",
     "object_storage_async_recipe.py",
+    "torch_checkpointing_recipe.py",
 )
 
 
@@ -146,6 +147,7 @@ PERFORMANCE_PAGES = (
     "checkpoint_stall_benchmark",
     "save_load_speed_recipe",
     "object_storage_async_recipe",
+    "torch_checkpointing_recipe",
 )
 
 
