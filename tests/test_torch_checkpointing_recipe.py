@@ -9,6 +9,7 @@ The download runs alone as a notebook and under ``torchrun`` (``make reruns``).
 from __future__ import annotations
 
 import pytest
+import torch
 from page_tools import stats
 from recipe_runner import (
     assert_listed_claims_held,
@@ -70,6 +71,17 @@ def test_the_page_shows_what_direct_io_did(built):
     for rank, outcome in enumerate(built["values"]["direct_io_outcome"]):
         assert outcome == "saved" or outcome.startswith("OSError: [Errno"), outcome
         assert f"[rank{rank}] use_direct_io=True: {outcome}" in shown
+
+
+def test_the_page_shows_what_a_resharder_did(built):
+    """0.1.1 gathers the sharding metadata with CUDA tensors: on CPU ranks the save raises."""
+    shown = "".join(page_outputs(RECIPE))
+    on_cpu = not torch.cuda.is_available()  # make test reads a build of this machine
+    for rank, outcome in enumerate(built["values"]["resharder_outcome"]):
+        assert outcome == "saved" or "CUDA" in outcome, outcome
+        assert f"[rank{rank}] a save with DefaultResharder: {outcome}" in shown
+        if on_cpu:
+            assert outcome != "saved", "the CPU build saved with a resharder: update the page"
 
 
 @pytest.mark.download
