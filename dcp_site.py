@@ -262,8 +262,21 @@ def insert_page_header(app: Sphinx, docname: str, source: list[str]) -> None:
         )
         return
     text = _GO_TO_THE_END.sub("", source[0], count=1)
-    links = page_links(stem, Path(app.confdir, GALLERY_DIR))
-    source[0] = _after_title(text, links + "\n" + stamp + "\n" + PAGE_NOTE)
+    header = page_header(app.confdir, stem, stamp)
+    headers_read(app.env)[docname] = header
+    source[0] = _after_title(text, header)
+
+
+def page_header(confdir: str | os.PathLike, stem: str, stamp: str) -> str:
+    """What goes under a recipe page's title: its links, its run stamp, the page note."""
+    return page_links(stem, Path(confdir, GALLERY_DIR)) + "\n" + stamp + "\n" + PAGE_NOTE
+
+
+def headers_read(env) -> dict[str, str]:
+    """The header each recipe page was last read with (kept in Sphinx's saved environment)."""
+    if not hasattr(env, "dcp_recipe_headers"):
+        env.dcp_recipe_headers = {}
+    return env.dcp_recipe_headers
 
 
 def _after_title(text: str, block: str) -> str:
@@ -708,16 +721,25 @@ def _copy_theme_webfonts(app: Sphinx, exception: Exception | None) -> None:
 
 
 def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
-    """``env-get-outdated``: read every recipe page again, so that its run stamp is this build's.
+    """``env-get-outdated``: read recipe pages again, so that each run stamp is this build's.
 
     Sphinx keeps a page's doctree while its reST is unchanged, and Sphinx-Gallery leaves an
     unchanged recipe's reST alone: a page last read by ``make html-noplot`` would go on
-    saying "Not executed" after a ``make html`` that had no reason to run it again.
+    saying "Not executed" after a ``make html`` that had no reason to run it again. So a
+    page the build executes is always read again (its stamp, and the check of its results
+    file, are this build's); one it does not execute only when it was last read with another
+    header (after an executed build, say): a warm ``make html-noplot`` reads none again.
     """
+    read_with = headers_read(env)
     return [
         f"{GALLERY_DIR}/{stem}"
         for stem in recipe_names(app.confdir)
         if Path(app.srcdir, GALLERY_DIR, f"{stem}.rst").exists()
+        and (
+            _selected_to_run(app, stem)
+            or read_with.get(f"{GALLERY_DIR}/{stem}")
+            != page_header(app.confdir, stem, NOT_RUN_BLOCK)
+        )
     ]
 
 

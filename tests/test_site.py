@@ -32,11 +32,13 @@ import dcp_site
 from dcp_site import (
     ARTIFACTS,
     LAUNCHER_IMPORT,
+    NOT_RUN_BLOCK,
     dcp_target,
     is_page_statement,
     is_page_wrapper,
     launcher_code,
     notebook_launcher_cell,
+    page_header,
     page_metrics,
     page_names,
     recipe_only,
@@ -132,15 +134,27 @@ def test_captured_output_shows_no_traceback_or_stray_warning(site, name):
         assert_no_traceback(out.get_text())
 
 
-def test_every_build_reads_every_recipe_page_again(site):
-    """Its run stamp is this build's, also after a ``make html-noplot`` of an unchanged recipe.
+def _reread_by(plot_gallery: bool, read_with: dict[str, str]) -> list[str]:
+    """The recipe pages a build reads again (``reread_recipe_pages``), for a build that
+    executes every recipe or none, after reads with the headers ``read_with``."""
+    conf = {"plot_gallery": plot_gallery, "filename_pattern": r"/recipes_source/"}
+    config = type("Config", (), {"sphinx_gallery_conf": conf})
+    app = type("App", (), {"confdir": str(ROOT), "srcdir": str(ROOT), "config": config})
+    env = type("Env", (), {"dcp_recipe_headers": read_with})
+    return reread_recipe_pages(app, env, set(), set(), set())
 
-    Sphinx would keep the doctree (and its "Not executed" stamp) of an unchanged page.
-    """
-    app = type("App", (), {"confdir": str(ROOT), "srcdir": str(ROOT)})
-    assert reread_recipe_pages(app, None, set(), set(), set()) == [
-        f"recipes/{name}" for name in RECIPE_NAMES
-    ]
+
+def test_every_build_reads_every_recipe_page_again_unless_its_header_stays(site):
+    """Its run stamp is this build's, also after a ``make html-noplot`` of an unchanged recipe
+    (Sphinx would keep the doctree, and its "Not executed" stamp, of an unchanged page); a
+    build that executes nothing reads again only pages last read with another header."""
+    every_page = [f"recipes/{name}" for name in RECIPE_NAMES]
+    not_run = {page: page_header(ROOT, page.split("/")[1], NOT_RUN_BLOCK) for page in every_page}
+    assert _reread_by(True, not_run) == every_page
+    assert _reread_by(False, {}) == every_page
+    assert _reread_by(False, not_run) == []
+    executed_once = {**not_run, every_page[0]: "Last executed ..."}
+    assert _reread_by(False, executed_once) == every_page[:1]
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
