@@ -65,14 +65,10 @@ TROUBLESHOOTING_SECTIONS = [
 ]
 
 
-def soup(path: Path) -> BeautifulSoup:
-    return parsed_html(path)
-
-
 def page(site: Path, name: str) -> BeautifulSoup:
     path = site / "recipes" / f"{name}.html"
     assert path.exists(), f"no page for recipe {name}"
-    return soup(path)
+    return parsed_html(path)
 
 
 def cell_prints(code: str) -> bool:
@@ -198,7 +194,7 @@ def test_a_performance_page_says_its_numbers_come_from_cpu_ranks(site, name):
 
 
 def test_the_gpu_page_has_a_section_for_every_performance_page(site):
-    doc = soup(site / "on_gpus.html")
+    doc = parsed_html(site / "on_gpus.html")
     text = letters(doc.get_text(" "))
     for name in dcp_site.PERFORMANCE_PAGES:
         assert on_gpus_section(name) in text, name
@@ -348,10 +344,14 @@ def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, t
     pasted = tmp_path / "pasted" / "my_checkpointing.py"
     pasted.parent.mkdir()
     pasted.write_text("\n\n".join(copy_button_texts(page(site, name))))
-    launcher_link = soup(site / "launcher.html").select_one("a.download[href$='rank_launcher.py']")
+    launcher_link = parsed_html(site / "launcher.html").select_one(
+        "a.download[href$='rank_launcher.py']"
+    )
     assert launcher_link is not None, "the launcher page offers rank_launcher.py"
     shutil.copyfile((site / launcher_link["href"]).resolve(), pasted.parent / "rank_launcher.py")
-    package_link = soup(site / "measuring.html").select_one("a.download[href$='page_tools.zip']")
+    package_link = parsed_html(site / "measuring.html").select_one(
+        "a.download[href$='page_tools.zip']"
+    )
     assert package_link is not None, "the measuring page offers page_tools.zip"
     with zipfile.ZipFile((site / package_link["href"]).resolve()) as archive:
         archive.extractall(pasted.parent)
@@ -473,7 +473,7 @@ def test_page_work_lives_in_cells_of_its_own(source):
 
 def test_quick_start_ran_twice_in_the_build_and_resumed(site):
     """The landing page's quick start: the script ran under torchrun, then resumed."""
-    shown = soup(site / "index.html").get_text()
+    shown = parsed_html(site / "index.html").get_text()
     first, again = (
         (ROOT / "recipes" / "quick_start.out.txt")
         .read_text()
@@ -526,9 +526,9 @@ def test_site_chrome_is_this_sites_own(site):
         assert "cookie" not in html.lower(), f"{path.name}: a cookie banner or script"
         for foreign in ("Meta Platforms", "Linux Foundation", "osano", "fbq(", "googletagmanager"):
             assert foreign not in html, f"{path.name}: {foreign}"
-        footer = soup(path).select_one("footer.dcp-footer")
+        footer = parsed_html(path).select_one("footer.dcp-footer")
         assert footer is not None and "DCP Recipes contributors" in footer.get_text(), path.name
-        brand = soup(path).select_one("a.navbar-brand")
+        brand = parsed_html(path).select_one("a.navbar-brand")
         assert brand is not None and brand.get_text(strip=True) == "DCP Recipes", path.name
         assert brand.select_one("span.logo__title") and not brand.select("img"), path.name
 
@@ -606,7 +606,7 @@ def test_prose_literals_link_only_names_dcp_documents():
 
 
 def test_landing_page_has_a_card_per_recipe(site):
-    doc = soup(site / "index.html")
+    doc = parsed_html(site / "index.html")
     cards = doc.select("div.sd-card")
     linked = {a["href"].split("#")[0] for card in cards for a in card.select("a[href]")}
     for name in RECIPE_NAMES:
@@ -616,7 +616,7 @@ def test_landing_page_has_a_card_per_recipe(site):
 
 
 def test_troubleshooting_page_covers_every_known_failure(site):
-    doc = soup(site / "troubleshooting.html")
+    doc = parsed_html(site / "troubleshooting.html")
     headings = [h.get_text(" ", strip=True) for h in doc.select("section h2")]
     for expected in TROUBLESHOOTING_SECTIONS:
         assert any(expected in h for h in headings), f"missing section {expected!r}: {headings}"
@@ -728,7 +728,7 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
     result = sphinx_build(copy, "-D", "plot_gallery=0")
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     for name in RECIPE_NAMES:
-        doc = soup(copy / "_build" / "html" / "recipes" / f"{name}.html")
+        doc = parsed_html(copy / "_build" / "html" / "recipes" / f"{name}.html")
         assert doc.select("div.highlight-Python"), f"{name}: no code rendered"
         assert not doc.select("div.sphx-glr-script-out"), f"{name}: output without running"
         stamp = doc.select_one("div.dcp-run-stamp").get_text(" ", strip=True)

@@ -37,10 +37,6 @@ import versions as matrix  # noqa: E402
 RESULTS = load_version_results(ROOT)
 
 
-def soup(path):
-    return parsed_html(path)
-
-
 def test_results_file_is_consistent():
     """Releases of TORCH_VERSIONS, recipes of the site, an outcome each, as the tool writes."""
     assert (ROOT / VERSION_RESULTS).exists(), "no results: make versions TORCH=2.13.0"
@@ -107,7 +103,7 @@ def _says_each_release(text: str, name: str, where: str) -> None:
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_page_says_which_torch_it_ran_on_from_the_results(site, name):
-    doc = soup(site / "recipes" / f"{name}.html")
+    doc = parsed_html(site / "recipes" / f"{name}.html")
     cards = [c for c in doc.select("div.card-prerequisites") if "Prerequisites" in c.get_text()]
     assert cards, f"{name}: no Prerequisites card"
     (line,) = [li for li in cards[0].select("li") if li.get_text().startswith("PyTorch")]
@@ -121,7 +117,7 @@ def test_page_says_which_torch_it_ran_on_from_the_results(site, name):
 
 
 def test_landing_page_cards_say_which_torch_each_recipe_ran_on(site):
-    doc = soup(site / "index.html")
+    doc = parsed_html(site / "index.html")
     for card in doc.select("div.sd-card"):
         link = card.select_one("a[href^='recipes/']")
         if link is None:
@@ -132,7 +128,7 @@ def test_landing_page_cards_say_which_torch_each_recipe_ran_on(site):
 
 
 def test_versions_page_shows_the_whole_matrix(site):
-    doc = soup(site / "versions.html")
+    doc = parsed_html(site / "versions.html")
     releases, matrix_table = doc.select("table")[:2]
     for row in releases.select("tbody tr"):
         cells = [td.get_text(" ", strip=True) for td in row.select("td")]
@@ -169,7 +165,7 @@ def test_checkpoints_across_versions_are_consistent_and_shown(site, kind):
             assert outcome["status"] == "passed" or outcome["error"], (saved_by, loaded_by)
         for loaded_by in row.get(about["via"], {}):
             assert row["loaded_by"][loaded_by]["status"] == "failed", "a way through a failure"
-    doc = soup(site / "versions.html")
+    doc = parsed_html(site / "versions.html")
     section = doc.select_one("section#checkpoints-across-versions")
     assert section is not None
     (sub,) = [s for s in section.select("section") if s.h3.get_text().startswith(about["title"])]
