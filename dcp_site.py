@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
+import io
 import json
 import os
 import re
@@ -294,16 +296,30 @@ def _export_stamp_dir(app: Sphinx, config) -> None:
     os.environ[RESULTS_DIR_ENV] = str(results_dir(app.confdir))
 
 
+def write_if_changed(path: Path, content: str | bytes) -> bool:
+    """Write ``content`` unless ``path`` holds it already; True if it wrote. A page that
+    includes or links a file Sphinx reads again whenever the file's mtime moves."""
+    data = content.encode() if isinstance(content, str) else content
+    if path.exists() and path.read_bytes() == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return True
+
+
 def write_page_package_zip(confdir: str | os.PathLike) -> Path:
     """``recipes/page_tools.zip``: the page package, for code copied block by block from a
-    page (the measuring page offers it, as the launcher page offers rank_launcher.py)."""
+    page (the measuring page offers it, as the launcher page offers rank_launcher.py).
+    The same sources make the same bytes (each entry carries its file's mtime), and an
+    unchanged zip is not written again: the measuring page is read again only when it moved."""
     target = Path(confdir, GALLERY_DIR, f"{PAGE_PACKAGE}.zip")
-    target.parent.mkdir(parents=True, exist_ok=True)
     package = Path(confdir, SOURCE_DIR, PAGE_PACKAGE)
-    with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as archive:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for path in sorted(package.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts:
                 archive.write(path, path.relative_to(package.parent))
+    write_if_changed(target, buffer.getvalue())
     return target
 
 
@@ -335,10 +351,9 @@ def _start_quick_start(app: Sphinx) -> None:
     import subprocess
     import tempfile
 
-    output = Path(app.confdir, QUICK_START_OUTPUT)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(QUICK_START_NOT_RUN)
     if not _selected_to_run(app, "quick_start"):  # make html-noplot, or a GALLERY_PATTERN
+        # Unchanged, not rewritten: a warm make html-noplot does not read the landing page.
+        write_if_changed(Path(app.confdir, QUICK_START_OUTPUT), QUICK_START_NOT_RUN)
         app._quick_start = None
         return
     scratch = tempfile.mkdtemp(prefix="dcp-quick-start-")
@@ -374,7 +389,7 @@ def _finish_quick_start(app: Sphinx, docname: str, source: list[str]) -> None:
         raise RuntimeError(f"the quick start failed (exit {process.returncode}):\n{printed}")
     # torchrun's own notice about OMP_NUM_THREADS is not the script's output.
     kept = [line for line in printed.splitlines() if not line.startswith("*" * 10)]
-    Path(app.confdir, QUICK_START_OUTPUT).write_text("\n".join(kept).strip() + "\n")
+    write_if_changed(Path(app.confdir, QUICK_START_OUTPUT), "\n".join(kept).strip() + "\n")
 
 
 # --------------------------------------------------------------------------
@@ -657,12 +672,29 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
     sources = outdir / "_sources" / SOURCE_DIR
     sources.mkdir(parents=True, exist_ok=True)
     gallery = confdir / GALLERY_DIR
+    made = Path(app.doctreedir, "standalone-downloads")
+    made.mkdir(parents=True, exist_ok=True)
     for stem in recipe_names(confdir):
         shutil.copyfile(confdir / SOURCE_DIR / f"{stem}.py", sources / f"{stem}.py.txt")
-        # Always from the gallery's own files, so that a rebuild never inlines twice.
-        script = standalone_script((gallery / f"{stem}.py").read_text(), launcher_source)
-        notebook = json.loads((gallery / f"{stem}.ipynb").read_text())
-        notebook_text = json.dumps(standalone_notebook(notebook, launcher_source, stem), indent=1)
+        # Always from the gallery's own files, so that a rebuild never inlines twice. Sphinx
+        # copies those files over the downloads on every build; what they are turned into is
+        # kept beside the doctrees, keyed by everything it is made from.
+        recipe_script = (gallery / f"{stem}.py").read_text()
+        recipe_notebook = (gallery / f"{stem}.ipynb").read_text()
+        key = hashlib.sha256(
+            "\0".join(
+                (recipe_script, recipe_notebook, launcher_source, Path(__file__).read_text())
+            ).encode()
+        ).hexdigest()
+        kept = made / f"{stem}.json"
+        cached = json.loads(kept.read_text()) if kept.exists() else {}
+        if cached.get("key") == key:
+            script, notebook_text = cached["script"], cached["notebook"]
+        else:
+            script = standalone_script(recipe_script, launcher_source)
+            notebook = standalone_notebook(json.loads(recipe_notebook), launcher_source, stem)
+            notebook_text = json.dumps(notebook, indent=1)
+            kept.write_text(json.dumps({"key": key, "script": script, "notebook": notebook_text}))
         for path in (outdir / "_downloads").glob(f"*/{stem}.py"):
             path.write_text(script)
         for path in (outdir / "_downloads").glob(f"*/{stem}.ipynb"):
@@ -743,10 +775,17 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     ]
 
 
-def reread_version_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
-    """``env-get-outdated``: the landing page and "PyTorch versions" show the committed
-    matrix (``insert_torch_versions``): read them again, as the recipe pages are."""
-    return [name for name in ("index", "versions") if name in env.found_docs]
+def reread_site_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
+    """``env-get-outdated``: a build that runs the quick start reads the landing page again,
+    which waits for it (``_finish_quick_start``) and shows its output; "PyTorch versions"
+    lists every recipe, so a recipe added or removed reads it again. (The pages that show the
+    committed version matrix depend on its file: ``insert_torch_versions``.)"""
+    outdated = []
+    if getattr(app, "_quick_start", None) is not None:
+        outdated.append("index")
+    if any(name.startswith(f"{GALLERY_DIR}/") for name in (*added, *removed)):
+        outdated.append("versions")
+    return [name for name in outdated if name in env.found_docs]
 
 
 def mark_page_work(app: Sphinx, doctree) -> None:
@@ -1092,6 +1131,9 @@ def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:
     """``source-read``: the matrix's results into the recipe pages' Prerequisites cards, the
     landing page's cards and the page "PyTorch versions"."""
     results = load_version_results(app.confdir)
+    if any(marker in source[0] for marker in (RUNS_ON_MARKER, CARD_MARKER, MATRIX_MARKER)):
+        # Read again when the matrix's file changes (make versions), and only then.
+        app.env.note_dependency(str(Path(app.confdir, VERSION_RESULTS).resolve()))
     if docname.startswith(f"{GALLERY_DIR}/") and RUNS_ON_MARKER in source[0]:
         stem = docname.split("/", 1)[1]
         source[0] = source[0].replace(RUNS_ON_MARKER, runs_on_text(results, stem))
@@ -1214,7 +1256,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("builder-inited", _start_quick_start, priority=100)
     app.connect("source-read", _finish_quick_start)
     app.connect("env-get-outdated", reread_recipe_pages)
-    app.connect("env-get-outdated", reread_version_pages)
+    app.connect("env-get-outdated", reread_site_pages)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)

@@ -380,6 +380,7 @@ FAKE_PROBE = {
     "gpus": 2,
     "names": ["NVIDIA H200", "NVIDIA H200"],
     "driver": "CUDA driver API 12.8 (from torch)",
+    "stager_reuse": "reuse works",
 }
 
 

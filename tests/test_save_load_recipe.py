@@ -88,6 +88,7 @@ def test_claims_hold_on_three_ranks_with_uneven_shards(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_torchrun(recipe_runner):
     output = assert_ok(recipe_runner.torchrun(RECIPE, nproc=2))
     assert "[rank1] step 3: loss" in output
@@ -96,6 +97,7 @@ def test_download_under_torchrun(recipe_runner):
     assert recipe_runner.leftovers() == []
 
 
+@pytest.mark.torchrun
 def test_download_under_two_torchrun_agents(recipe_runner):
     node0, node1 = recipe_runner.torchrun_two_nodes(RECIPE)
     output0, output1 = assert_ok(node0), assert_ok(node1)

@@ -6,6 +6,7 @@ import ast
 import builtins
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -43,8 +44,10 @@ from dcp_site import (
     page_names,
     recipe_only,
     reread_recipe_pages,
+    reread_site_pages,
     standalone_script,
     torch_docs_url,
+    write_if_changed,
 )
 
 RECIPE_SOURCES = [RECIPES / f"{name}.py" for name in RECIPE_NAMES]
@@ -151,6 +154,25 @@ def test_every_build_reads_every_recipe_page_again_unless_its_header_stays(site)
     assert _reread_by(False, not_run) == []
     executed_once = {**not_run, every_page[0]: "Last executed ..."}
     assert _reread_by(False, executed_once) == every_page[:1]
+
+
+def test_the_landing_page_is_read_again_to_show_the_quick_start_and_versions_for_a_new_recipe():
+    """Not on every build: a warm ``make html-noplot`` reads no page again."""
+    env = type("Env", (), {"found_docs": {"index", "versions", "recipes/save_load_recipe"}})
+    idle = type("App", (), {"_quick_start": None})
+    running = type("App", (), {"_quick_start": ("process", "scratch")})
+    assert reread_site_pages(idle, env, set(), {"recipes/save_load_recipe"}, set()) == []
+    assert reread_site_pages(running, env, set(), set(), set()) == ["index"]
+    assert reread_site_pages(idle, env, {"recipes/new_recipe"}, set(), set()) == ["versions"]
+    assert reread_site_pages(idle, env, set(), set(), {"recipes/old_recipe"}) == ["versions"]
+
+
+def test_write_if_changed_leaves_an_unchanged_file_and_its_mtime_alone(tmp_path):
+    path = tmp_path / "out" / "page_tools.zip"
+    assert write_if_changed(path, b"zip bytes") is True
+    os.utime(path, (1, 1))
+    assert write_if_changed(path, "zip bytes") is False and path.stat().st_mtime == 1
+    assert write_if_changed(path, "other bytes") is True and path.read_text() == "other bytes"
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -733,6 +755,23 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
         assert not doc.select("div.sphx-glr-script-out"), f"{name}: output without running"
         stamp = doc.select_one("div.dcp-run-stamp").get_text(" ", strip=True)
         assert stamp.startswith("Not executed in this build")
+
+    # Warm, the same build reads no page again (make html-noplot in seconds) and leaves the
+    # downloads as the first wrote them: standalone, not the gallery's files Sphinx copies.
+    downloads = copy / "_build" / "html" / "_downloads"
+    first = {path: path.read_bytes() for path in downloads.glob("*/*") if path.suffix != ".zip"}
+    again = sphinx_build(copy, "-D", "plot_gallery=0")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "0 added, 0 changed, 0 removed" in again.stdout, again.stdout
+    assert not re.search(r"(reading sources|writing output)\.\.\. \[", again.stdout), again.stdout
+    assert {path: path.read_bytes() for path in first} == first
+    assert all(b"def run_on_ranks" in first[p] for p in first if p.stem in RECIPE_NAMES)
+    # The pages that show the committed version matrix are read again when it changes.
+    doctrees = copy / "_build" / "html" / ".doctrees"
+    environment = pickle.loads((doctrees / "environment.pickle").read_bytes())
+    matrix = str((copy / dcp_site.VERSION_RESULTS).resolve())
+    for docname in ("index", "versions", f"recipes/{RECIPE_NAMES[0]}"):
+        assert matrix in {str(Path(copy, d).resolve()) for d in environment.dependencies[docname]}
 
 
 @pytest.mark.browser
