@@ -674,6 +674,7 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
     gallery = confdir / GALLERY_DIR
     made = Path(app.doctreedir, "standalone-downloads")
     made.mkdir(parents=True, exist_ok=True)
+    made_with = launcher_source + "\0" + Path(__file__).read_text()  # the launcher, this code
     for stem in recipe_names(confdir):
         shutil.copyfile(confdir / SOURCE_DIR / f"{stem}.py", sources / f"{stem}.py.txt")
         # Always from the gallery's own files, so that a rebuild never inlines twice. Sphinx
@@ -682,9 +683,7 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
         recipe_script = (gallery / f"{stem}.py").read_text()
         recipe_notebook = (gallery / f"{stem}.ipynb").read_text()
         key = hashlib.sha256(
-            "\0".join(
-                (recipe_script, recipe_notebook, launcher_source, Path(__file__).read_text())
-            ).encode()
+            "\0".join((recipe_script, recipe_notebook, made_with)).encode()
         ).hexdigest()
         kept = made / f"{stem}.json"
         cached = json.loads(kept.read_text()) if kept.exists() else {}

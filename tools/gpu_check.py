@@ -101,16 +101,15 @@ if torch.cuda.is_available():
 # Whether a DefaultStager can be reused, as every recipe's loop does (CPU only, no CUDA).
 _STAGER_REUSE = r"""
 def stager_reuse():
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
+    try:  # inside the probe too: an error here is the answer, not a probe that failed
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        stager = DefaultStager(StagingOptions(False, False, False, False))
         for _ in range(2):
             stager.stage({"t": torch.zeros(1), "step": 1})
-        found = "reuse works"
+        stager.close()
+        return "reuse works"
     except Exception as exc:
-        found = f"{type(exc).__name__}: {exc}"
-    stager.close()
-    return found
+        return f"{type(exc).__name__}: {exc}"
 """
 _STAGER_REUSE_PROBE = "import torch\n" + _STAGER_REUSE + "print(stager_reuse())\n"
 # The probe asks it too: one child, one `import torch` (seconds) fewer per run.
