@@ -26,7 +26,7 @@ help:
 	@echo "make lint         lintrunner --all-files"
 	@echo "make reruns       each page's download alone and under torchrun, its claims at other ranks"
 	@echo "make serve        serve $(BUILD)/html on http://$(HOST):$(PORT)/"
-	@echo "make bench        the benchmark recipes at full size (about 1 GB), into $(BUILD)/bench"
+	@echo "make bench        the benchmark recipes at full size (1 GB stalls, 512 MB speeds), into $(BUILD)/bench"
 	@echo "make stress       every page's script and notebook at 3 ranks, the HF page 30 times"
 	@echo "make restart-trials  torchrun restarts on 1 and 2 agents, three ways to form the group"
 	@echo "make gpu-check    every recipe on this machine's GPUs (PY=python-with-torch), into $(BUILD)/gpu-check"

@@ -2,14 +2,13 @@
 How much does checkpointing stall training?
 ===========================================
 
-A checkpoint costs a training job in three ways: the time the training loop
-waits for it (the *stall*), the speed the steps lose while a checkpoint is
-written in the background, and the host memory that holds a copy of the state.
-This recipe trains the same model with a checkpoint every few steps, once per
-saving strategy, and measures all of it next to the physical limits of the
-machine that built this page: how fast it copies memory and writes to disk.
-Every number is a median over rounds in which the strategies take turns, with
-its spread; a difference smaller than its spread is noise, never advice.
+A checkpoint costs a training job the time the loop waits for it (the
+*stall*), the speed steps lose while it is written in the background, and the
+host memory that holds a copy. This recipe trains one model with each saving
+strategy, at checkpoint intervals from half to twice a save's time, next to
+the machine's limits: how fast it copies memory and writes to disk. Every
+number is a median over rounds in which the strategies take turns, with its
+spread; a difference smaller than its spread is noise, never advice.
 
 .. grid:: 2
 
@@ -21,9 +20,9 @@ its spread; a difference smaller than its spread is noise, never advice.
          overlap and the checkpoint process
        * Time the stall per checkpoint in the loop itself, over a warm-up
          round and rounds in which the strategies take turns
+       * Pick the checkpoint interval from two measured numbers
        * Tell an effect from noise: the median next to its spread
        * Budget CPU threads between training and the background writer
-       * Run the same benchmark at full size with ``make bench``
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -37,22 +36,21 @@ its spread; a difference smaller than its spread is noise, never advice.
 # %%
 # Setup
 # -----
-# The page trains a small model, to build in seconds. ``make bench`` runs this
-# file under ``torchrun`` at full size (``BENCH``: a checkpoint of about 1 GB,
-# 4 steps between checkpoints) and keeps every number it measured, and the
-# figure, in ``_build/bench/``.
+# A small model, to build in seconds; ``make bench`` runs this file under
+# ``torchrun`` at 1 GB and keeps its numbers and figures in ``_build/bench/``.
 
+import math
 import os
 import shutil
-import sys
+import statistics
 import time
-from contextlib import contextmanager
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import disk, figures, machine, memory, results, stalls, timing
+from page_tools import disk, figures, machine, memory, processes, results, stalls, timing
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -62,24 +60,19 @@ from torch.distributed.fsdp import fully_shard
 
 BENCH = os.environ.get("DCP_RECIPES_BENCH") == "1"  # make bench: the full size
 CHECKPOINT_GB = float(os.environ.get("DCP_RECIPES_BENCH_GB", "1.0" if BENCH else "0.06"))
-ROUNDS = int(os.environ.get("DCP_RECIPES_BENCH_REPEATS", "2"))  # measured, after a warm-up
+ROUNDS = int(os.environ.get("DCP_RECIPES_BENCH_REPEATS", "3"))  # measured, after a warm-up
 if ROUNDS < 2:
     raise ValueError(f"{ROUNDS} rounds: a spread needs at least 2")
-EVERY, CHECKPOINTS = (4, 2) if BENCH else (2, 1)  # steps between checkpoints; timed per run
-STEPS = (CHECKPOINTS + 1) * EVERY  # the last checkpoint overlaps as many steps as the others
 WORK_DIR = shared_tempdir("dcp-stall-benchmark-")
 CHECKPOINT_ROOT = os.path.join(WORK_DIR, "checkpoints")
-print(f"torch {torch.__version__}: a {CHECKPOINT_GB} GB checkpoint every {EVERY} steps,")
-print(f"{CHECKPOINTS} timed per run of {STEPS} steps, {ROUNDS} rounds after a warm-up")
-
+print(f"torch {torch.__version__}: {CHECKPOINT_GB} GB, {ROUNDS} rounds after a warm-up")
 
 # %%
 # The model and the state a checkpoint holds
 # ------------------------------------------
-# A stack of square ``Linear`` layers, sharded with FSDP2 over all ranks and
-# trained with Adam. A checkpoint holds the parameters and Adam's two moments:
-# 12 bytes per parameter, so the size of the model follows from the size of the
-# checkpoint. Each rank saves only its own shards.
+# Square ``Linear`` layers, sharded with FSDP2 over all ranks, trained with
+# Adam. A checkpoint holds the parameters and Adam's two moments (12 bytes per
+# parameter): the model's size follows from the checkpoint's.
 
 PARAMETERS = CHECKPOINT_GB * 1e9 / 12
 WIDTH = 1024 if PARAMETERS < 50e6 else 2048
@@ -98,7 +91,6 @@ class ToyModel(nn.Module):
 
 
 print(f"ToyModel: {DEPTH} layers of width {WIDTH}")
-
 
 # %%
 # The pieces every page of this site shares: the state DCP saves and loads,
@@ -147,12 +139,11 @@ def build_sharded_model(seed):
 # %%
 # Five ways to save
 # -----------------
-# * ``dcp.save`` copies nothing: it writes straight from the training tensors
-#   and returns when the checkpoint is on disk.
-# * ``async_save`` copies the state into fresh host memory before it returns,
-#   then writes that copy in a thread.
+# * ``dcp.save`` writes straight from the training tensors, and returns when
+#   the checkpoint is on disk. ``async_save`` copies the state into fresh host
+#   memory before it returns, then writes that copy in a thread.
 # * ``async_save, cached buffer`` passes a ``DefaultStager`` that the loop
-#   reuses for every save, so every copy goes into the same host buffer.
+#   reuses for every save: every copy goes into the same host buffer.
 # * ``DefaultStager overlap`` copies in the background, during the next
 #   forward and backward pass; the loop waits for it before ``optimizer.step()``
 #   changes the weights (safe: this model's forward pass changes no tensor of
@@ -165,14 +156,8 @@ def build_sharded_model(seed):
 #    ``DefaultStager``, ``StagingOptions`` and the ``AsyncSaveResponse`` that
 #    ``async_save`` returns when staging runs in the background.
 
-STRATEGIES = (
-    "no checkpoint",
-    "dcp.save",
-    "async_save",
-    "async_save, cached buffer",
-    "DefaultStager overlap",
-    "process writer",
-)
+STRATEGIES = ("no checkpoint", "dcp.save", "async_save", "async_save, cached buffer")
+STRATEGIES += ("DefaultStager overlap", "process writer")
 
 
 def staging_options(use_async_staging, checkpoint_process=False):
@@ -198,9 +183,8 @@ def new_stager(strategy):
 
 
 # %%
-# ``start_checkpoint`` starts one checkpoint and returns what is still *in
-# flight*: a future for the copy to host memory (*staging*) and one for the
-# write (*upload*), ``None`` where nothing runs in the background.
+# ``start_checkpoint`` returns what is still *in flight*: a future for the copy
+# to host memory (*staging*) and one for the write (*upload*), or ``None``.
 
 
 def start_checkpoint(strategy, state_dict, path, group, stager):
@@ -228,36 +212,14 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
 
 
 # %%
-# The writer process logs every request at INFO level to the standard error it
-# inherits: start it with standard error pointing at a log of its own if your
-# training log must stay quiet (the first save of each run does, below).
-
-
-@contextmanager
-def standard_error_to(path):
-    """Point file descriptor 2 at ``path``: a writer process started inside logs there."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
-    os.close(log)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-# %%
 # Time what the loop waits for
 # ----------------------------
-# To benchmark your own loop, time the loop itself: ``time.perf_counter()``
-# around every call that may wait for a checkpoint (the save call, the wait
-# for staging before ``optimizer.step()``, the waits for the upload before the
-# next save and at the end) gives the *stall*. A step's time is its forward,
-# backward and optimizer step without that wait (on a GPU, up to a
-# synchronisation, so that it includes the step's kernels).
+# Time the loop itself: ``time.perf_counter()`` around every call that may
+# wait for a checkpoint (the save call, staging before ``optimizer.step()``,
+# the upload) gives the *stall*; a step's time is the rest of the step (on a
+# GPU, up to a synchronisation, so that it includes the step's kernels). A
+# stager allocates its host buffer on its first save: each run stages once
+# before its loop, so that the buffer exists before the first timed save.
 
 
 def waited(future):
@@ -280,82 +242,109 @@ def train_step(model, optimizer, batch, staging):
     return loss, staged
 
 
+def fill_host_buffer(stager, state_dict):
+    """Stage once: the stager allocates its host buffer now, not in the first timed save."""
+    staged = stager.stage({key: value.state_dict() for key, value in state_dict.items()})
+    waited(staged if isinstance(staged, Future) else None)
+
+
 # %%
-# Every run builds its model afresh and takes one step first: Adam creates its
-# state on its first step, and every checkpoint must hold the same tensors. The
-# first save of a run is not timed with the others: it starts what a strategy
-# starts once (its host buffer, the writer process). Every rank waits until it
-# is durable (for the writer process, a rule: see
-# :ref:`sphx_glr_recipes_async_save_recipe.py`), and keeps it as ``first checkpoint``.
+# One model, the same start for every run
+# ---------------------------------------
+# Each rank builds the model once and takes one step (Adam creates its state
+# then: every checkpoint holds the same tensors). Every run starts from a copy
+# of that state, put back in place, so every run computes the same losses.
 
 
-def set_up_run(threads):
-    """What every run builds: its thread budget, a group for checkpoints, model and data."""
-    torch.set_num_threads(threads)  # see "Thread budget" below
-    group = dist.new_group(backend="gloo")  # checkpoints never share training's group
+def set_up_training():
+    """This rank's model, optimizer and batch, after Adam's first step."""
     model, optimizer = build_sharded_model(seed=0)
     torch.manual_seed(100 + dist.get_rank())  # each rank trains on its own data
     batch = torch.rand(BATCH, WIDTH, device=device_for_this_rank())
     train_step(model, optimizer, batch, None)  # Adam creates its state
-    return group, model, optimizer, batch
+    return model, optimizer, batch
 
 
-def first_checkpoint(strategy, state_dict, path, group, stager):
-    """The first save of a run, waited for until durable; returns its seconds."""
-    started = time.perf_counter()
-    with standard_error_to(os.path.join(WORK_DIR, f"writer-rank{dist.get_rank()}.log")):
-        for future in start_checkpoint(strategy, state_dict, path, group, stager):
-            waited(future)
-    return time.perf_counter() - started
+def starting_point(model, optimizer):
+    """Keep a copy of the weights and the optimizer's state; returns what puts it back."""
+    tensors = list(model.parameters())
+    tensors += [value for state in optimizer.state.values() for value in state.values()]
+    saved = [tensor.detach().clone() for tensor in tensors]
+
+    def restore():
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, saved, strict=True):
+                tensor.copy_(copy)
+
+    return restore
+
+
+# %%
+# How often to checkpoint
+# -----------------------
+# A background save is free only if the next checkpoint comes after it is on
+# disk. Two measured numbers pick the interval: a save's time (``dcp.save``'s,
+# nothing else running) and a step's. The warm-up round measures both; the runs
+# checkpoint at 0.5, 1 and 2 times a save's time; the headline numbers are
+# those at 2, the regime a real job runs in.
+
+MULTIPLES = (0.5, 1, 2)  # checkpoint intervals, in multiples of a save's time
+HEADLINE_MULTIPLE = 2
+SWEPT = ("DefaultStager overlap", "process writer")  # at every interval; the others at 2x
+
+
+def steps_between_checkpoints(save_s, step_s, multiple=HEADLINE_MULTIPLE):
+    """The fewest steps that take at least ``multiple`` times a save's time."""
+    return max(1, math.ceil(multiple * save_s / step_s))
 
 
 # %%
 # The training loop with checkpoints
 # ----------------------------------
-# The loop a training script would have: a checkpoint every ``EVERY`` steps, at
-# most one checkpoint in flight, and a wait for staging before
-# ``optimizer.step()``. Checkpoints go through a gloo group of their own, so
-# background writes never share a group with training collectives. A step
-# *overlaps* a save if the last checkpoint was not yet durable when it began.
+# A checkpoint, the steps of one interval, at most one checkpoint in flight, a
+# wait for staging before ``optimizer.step()``, a gloo group for checkpoints. A
+# step *overlaps* a save if the checkpoint was not yet durable when it began.
 
 
-def train_with_checkpoints(strategy, threads, directory):
-    group, model, optimizer, batch = set_up_run(threads)
+def train_with_checkpoints(strategy, threads, paths, intervals, training):
+    """From the starting point, per interval: a checkpoint, that many steps, and a wait
+    until the checkpoint is on disk. Returns what the loop measured."""
+    model, optimizer, batch, restore = training
+    torch.set_num_threads(threads)  # see "Thread budget" below
+    restore()
+    group = dist.new_group(backend="gloo")  # checkpoints never share training's group
     state_dict, stager = {"app": AppState(model, optimizer)}, new_stager(strategy)
-    saving, staging, upload = strategy != "no checkpoint", None, None
-    paths = [f"{directory}/step-{s}" for s in range(0, STEPS, EVERY)] if saving else []
-    first = first_checkpoint(strategy, state_dict, paths[0], group, stager) if saving else 0.0
+    if stager is not None:
+        fill_host_buffer(stager, state_dict)
+    saving, segments, losses = strategy != "no checkpoint", [], []
     dist.barrier(group)  # every rank starts the timed loop together
-    stall, steps, started = 0.0, [], time.perf_counter()
-    for step in range(1, STEPS + 1):
-        overlapped, began = upload is not None and not upload.done(), time.perf_counter()
-        loss, staged = train_step(model, optimizer, batch, staging)
-        steps.append([time.perf_counter() - began - staged, overlapped])
-        stall, staging = stall + staged, None
-        if saving and step % EVERY == 0 and step < STEPS:
-            began = time.perf_counter()
-            waited(upload)  # one checkpoint at a time: a reused buffer may still be in use
-            path = paths[step // EVERY]
+    for path, steps_between in zip(paths, intervals, strict=True):
+        began, staging, upload = time.perf_counter(), None, None
+        if saving:
             staging, upload = start_checkpoint(strategy, state_dict, path, group, stager)
-            stall += time.perf_counter() - began
-    stall += waited(upload)  # the last checkpoint is on disk before training ends
-    wall = time.perf_counter() - started
+        stall, steps = time.perf_counter() - began, []
+        for _ in range(steps_between):
+            overlapped = upload is not None and not upload.done()
+            step_began = time.perf_counter()
+            loss, staged = train_step(model, optimizer, batch, staging)
+            steps.append([time.perf_counter() - step_began - staged, overlapped])
+            stall, staging = stall + staged, None
+            losses.append(loss.item())
+        stall += waited(upload)  # on disk before the next checkpoint: one in flight at most
+        wall = time.perf_counter() - began
+        segments.append(dict(steps_between=steps_between, stall_s=stall, steps=steps, wall_s=wall))
     if stager is not None:
         stager.close()
     dist.destroy_process_group(group)
-    timings = {"first_checkpoint_s": first, "stall_s": stall, "steps": steps, "wall_s": wall}
-    return {"checkpoints": paths, "loss": loss.item(), **timings}
+    return {"checkpoints": paths if saving else [], "segments": segments, "losses": losses}
 
 
 # %%
 # Thread budget
 # -------------
-# A background writer, thread or process, needs CPU time while training runs,
-# and on a machine with few cores it takes it from the training steps. The
-# knob is ``torch.set_num_threads``: PyTorch uses every core by default; leave
-# one per rank to the writer, as ``training_threads()`` does. The ranks this
-# page forks train with one thread; under ``torchrun`` (``make bench``) two
-# runs also train with every core, in the same rounds.
+# A background writer needs CPU time while training runs. The knob is
+# ``torch.set_num_threads``: leave a core per rank to the writer (forked ranks
+# train with one thread; under ``torchrun`` two runs also use every core).
 
 
 def cores_per_rank():
@@ -373,17 +362,14 @@ if under_torchrun() and cores_per_rank() > THREADS:  # the knob: every core for 
     SCHEDULE += [("no checkpoint", cores_per_rank()), ("DefaultStager overlap", cores_per_rank())]
 print(f"{len(SCHEDULE)} runs per round; training threads per rank: {THREADS}")
 
-
 # %%
 # The machine's limits
 # --------------------
-# No strategy can stage a checkpoint faster than the machine copies memory, or
-# make it durable faster than the disk writes and syncs it. The page measures
-# both on every rank at once, for its share: a copy into a buffer it already
-# touched (what a reused staging buffer does), into pages new from the kernel
-# (fresh staging at worst: the kernel must also zero every page), and a write
-# plus ``fsync``. On GPU the copies go from the device to host memory (pinned
-# when reused). A save waits for its slowest rank: the table shows its speeds.
+# No strategy stages faster than the machine copies memory, or makes a
+# checkpoint durable faster than the disk writes and syncs it. Measured on
+# every rank at once, for its share: a copy into a reused buffer, into new
+# pages (the kernel zeroes each), and a write plus ``fsync`` (on GPU, copies
+# from the device). A save waits for its slowest rank, whose speeds these are.
 
 CHECKPOINT_BYTES = stalls.adam_checkpoint_bytes(ToyModel)
 SPEEDS = run_on_ranks(disk.copy_and_write_speeds, CHECKPOINT_BYTES, CHECKPOINT_ROOT, THREADS)
@@ -391,49 +377,75 @@ LIMITS = results.record("limits", stalls.limits(SPEEDS, CHECKPOINT_BYTES))
 print(stalls.share(LIMITS))
 stalls.limits_table(LIMITS)
 
-
 # %%
 # Train with every strategy, then let them take turns
 # ---------------------------------------------------
-# ``benchmark`` runs the loop once per entry of the schedule, on the same
-# ranks, round after round. Round 0 is the warm-up (the page cache, the ranks'
-# first allocations, DCP's first-call set-up, the writer process): its numbers
-# are not used. Then every run once per round, in the same order (A B C ... A
-# B C ...), so that a slow minute on a shared machine does not hit one
-# strategy only, and each run is compared with the run without checkpoints
-# *of its own round*. After each run, rank 0 removes its checkpoints and prints
-# its stall per checkpoint and final loss.
+# Round 0 warms up (the page cache, first allocations, first checkpoints) and
+# picks the intervals. Then every run once per round, in the same order
+# (A B C ... A B C ...): a slow minute on a shared machine does not hit one
+# strategy only, and each run is compared with the run without checkpoints *of
+# its own round*. Each run prints its stall at the headline interval.
+
+
+def measured_intervals(warm_up):
+    """Steps between checkpoints per multiple, from the warm-up round's dcp.save and its
+    median step without checkpoints, on the slowest rank."""
+    run = {r["strategy"]: r for r in warm_up if r["threads"] == THREADS}
+    step_s = statistics.median(t for t, _ in run["no checkpoint"]["segments"][0]["steps"])
+    both = torch.tensor([run["dcp.save"]["segments"][0]["stall_s"], step_s], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    save_s, step_s = both.tolist()
+    intervals = {
+        multiple: steps_between_checkpoints(save_s, step_s, multiple) for multiple in MULTIPLES
+    }
+    if dist.get_rank() == 0:
+        every = ", ".join(f"{m}x: {n}" for m, n in intervals.items())
+        print(f"a save takes {save_s:.3g} s, a step {step_s:.3g} s; steps per interval, {every}")
+    return intervals
+
+
+def outcome(run):
+    """A run's stall at its last interval and its loss; in the warm-up, its first save."""
+    stall, losses = run["segments"][-1]["stall_s"], run["losses"]
+    return f"stall {stall:.3f} s, loss {losses[-1]:.6g}" if losses else f"first save {stall:.3f} s"
 
 
 def benchmark(schedule, rounds):
     """Round 0 warms up, then every run of ``schedule`` once per round, in the same order."""
-    runs = []
+    model, optimizer, batch = set_up_training()
+    training = (model, optimizer, batch, starting_point(model, optimizer))
+    runs, intervals = [], {}
     for number in range(rounds + 1):
+        directory = os.path.join(CHECKPOINT_ROOT, f"round-{number}")
         for strategy, threads in schedule:
+            swept = strategy in SWEPT and threads == THREADS
+            multiples = MULTIPLES if swept else (HEADLINE_MULTIPLE,)
+            between = [intervals.get(multiple) for multiple in multiples]
+            if number == 0:  # the warm-up: each first checkpoint, until durable; a few steps
+                multiples, between = (None,), [0 if strategy != "no checkpoint" else 3]
             name = f"{strategy.replace(' ', '-').replace(',', '')}-{threads}-threads"
-            directory = os.path.join(CHECKPOINT_ROOT, f"round-{number}", name)
-            run = train_with_checkpoints(strategy, threads, directory)
-            dist.barrier()
+            paths = [f"{directory}/{name}-{i}" for i in range(len(between))]
+            run = train_with_checkpoints(strategy, threads, paths, between, training)
             if dist.get_rank() == 0:
-                shutil.rmtree(directory, ignore_errors=True)  # the disk is the next run's
-                stall = run["stall_s"] / CHECKPOINTS if run["checkpoints"] else 0.0
                 when = f"round {number}" if number else "warm-up"
-                print(
-                    f"{when:<8} {strategy:<26} threads {threads}, stall {stall:.3f} s, "
-                    f"loss {run['loss']:.6g}"
-                )
-            runs.append({"round": number, "strategy": strategy, "threads": threads, **run})
+                print(f"{when:<8} {strategy:<26} threads {threads}, {outcome(run)}")
+            run.update(round=number, strategy=strategy, threads=threads, multiples=multiples)
+            runs.append(run)
+        intervals = intervals or measured_intervals(runs)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)  # the disk is the next round's
     return runs
 
 
 # %%
-# The page watches the runs: when each checkpoint becomes durable (``dcp.save``
-# returns, the upload future completes), the peak host memory of each run on
-# each rank (with the writer process's private memory, sampled every 10 ms from
-# the group a run creates to the one it destroys), and each checkpoint a run
-# removes, just before it goes.
+# The page watches when each checkpoint becomes durable, each run's peak host
+# memory on each rank (with the writer process's, sampled every 10 ms), and
+# each checkpoint that rank 0 removes, just before it goes; the writer process
+# logs every request to standard error: the page keeps its log in a file.
 
 with (
+    processes.stderr_of_started_processes(os.path.join(WORK_DIR, "logs")),
     timing.checkpoint_saves(dcp) as saves,
     memory.peak_between((dist, "new_group"), (dist, "destroy_process_group")) as peaks,
     disk.checked_before_removal(CHECKPOINT_ROOT) as removals,
@@ -442,62 +454,52 @@ with (
 
 
 # %%
-# What the runs prove before anything is measured: they took turns; every
-# checkpoint was durable, and complete on disk when its run removed it (its
-# ``.metadata``, which DCP writes last, and every byte it lists); no strategy
+# What the runs prove: they took turns; every checkpoint was durable and
+# complete on disk (its ``.metadata`` and every byte it lists); no strategy
 # changed what the loop computes; the loop's timers saw every blocking save.
+# Then each strategy's first checkpoint (the warm-up round's):
 
 RUNS = results.record("runs", stalls.collect(per_rank, saves, peaks, removals, THREADS))
 stalls.claim_interleaved("rounds-interleaved", RUNS, SCHEDULE, ROUNDS, THREADS)
 stalls.claim_complete("every-checkpoint-complete", RUNS)
 stalls.claim_same_losses("checkpoints-leave-training-unchanged", RUNS)
 stalls.claim_timers_enclose_blocking_saves("loop-timers-see-blocking-saves", RUNS)
-results.record("config", stalls.config(CHECKPOINT_GB, SCHEDULE, ROUNDS, STEPS, EVERY, per_rank))
+results.record("config", stalls.config(CHECKPOINT_GB, SCHEDULE, ROUNDS, RUNS, per_rank))
 results.record("machine", machine.describe(WORK_DIR))
-
+stalls.first_checkpoints_table(RUNS, STRATEGIES[1:])
 
 # %%
 # The numbers, with their spread
 # ------------------------------
-# Per run, a stall is the slowest rank's total wait divided by the number of
-# timed checkpoints; the time until durable is the slowest rank's, from the
-# save call. Each cell shows the median over the rounds and, in brackets, the
-# lowest and highest value. A stall smaller than that spread (highest minus
-# lowest) is marked *within noise*: this run cannot tell it from zero.
+# At the headline interval, the slowest rank's stall and time until durable:
+# the median over the rounds [lowest .. highest]. A stall smaller than that
+# spread is *within noise*: this run cannot tell it from zero.
 
-SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"]))
+SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULTIPLE))
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
-
 # %%
-# What the checkpoints cost the whole run: the median step that overlapped a
-# save over the median step of the round's run without checkpoints, and the
-# run's wall time and peak host memory minus that run's. An effect smaller than
-# its spread is *within noise*, and so is every effect below zero: a checkpoint
-# does not make training faster, so a negative median measures noise.
+# What a checkpoint costs training, against the round's run without one: the
+# median step that overlapped a save over its median step; the interval's
+# wall time minus as many of its steps; peak host memory minus its. An effect
+# below its spread, or below zero, is *within noise*.
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
-
 
 # %%
 # DefaultStager against dcp.save
 # ------------------------------
-# A stall is best read as a multiple of one memory copy of a rank's share
-# into a reused buffer: a strategy that stages in the foreground cannot stall
-# less than about that, one that stages in the background can. The question
-# this benchmark answers: what share of ``dcp.save``'s cost is left with
-# ``DefaultStager`` overlap, in the same rounds, with the thread budget above?
+# A stall reads best as a multiple of one memory copy of a rank's share: a
+# strategy that stages in the foreground cannot stall much less, one that
+# stages in the background can. What share of ``dcp.save``'s cost is left?
 
 RATIOS = results.record("ratios", stalls.ratios(SUMMARY, STRATEGIES[1:], LIMITS["copy_s"]))
 stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
-
 # %%
-# The goals, at ``make bench`` size (1 GB, one rank): a stall of at most 0.02x
-# ``dcp.save``'s, a total overhead of at most 0.1x. A goal is met where
-# ``DefaultStager``'s rounds are below the goal times ``dcp.save``'s by more than
-# their spread. Small checkpoints leave ``DefaultStager`` with its fixed costs
-# (the state dict, the planning): the ratios at this page's size say less.
+# The goals, at ``make bench`` size (1 GB): a stall of at most 0.02x
+# ``dcp.save``'s, a total overhead of at most 0.1x, met where the rounds are
+# below by more than their spread (at this page's size, fixed costs weigh more).
 
 GOALS = stalls.goals(
     SUMMARY, "DefaultStager overlap", {"stall_per_checkpoint_s": 0.02, "overhead_s": 0.1}
@@ -508,77 +510,79 @@ results.record("headline", HEADLINE)
 stalls.print_summary_line(BENCH, results.recipe_name(), HEADLINE, GOALS)  # make bench only
 stalls.goals_table(GOALS)
 
-
 # %%
 # The figure
 # ----------
-# Left: what the training loop waits per checkpoint (log scale), with the time
-# of one memory copy of a rank's share for reference. Right: what the whole run
-# cost over the run without checkpoints of its round, stalls and slower steps
-# together. The bars are medians, the whiskers the lowest and highest round.
+# Left: the stall per checkpoint (log scale), with one memory copy of a rank's
+# share. Right: the total overhead. Bars: medians; whiskers: lowest and highest.
 
-FIGURE = stalls.figure(
-    SUMMARY, STRATEGIES[1:], LIMITS, f"{CHECKPOINTS} timed every {EVERY} steps, {ROUNDS} rounds"
-)
+FIGURE = stalls.figure(SUMMARY, STRATEGIES[1:], LIMITS, f"every 2x a save's time, {ROUNDS} rounds")
 figures.save_beside(FIGURE, results.results_path())  # make bench: beside the results file
 
+# %%
+# The interval, swept
+# -------------------
+# The leading strategies at every interval, over ``dcp.save``'s time and over
+# their own upload's (longer: it shares the machine with training); shorter
+# than the upload, the loop waits for it. Pick yours as the benchmark did: time
+# ``dcp.save`` and a step; checkpoint every ``steps_between_checkpoints(...)``.
+
+SWEEP = results.record("sweep", stalls.sweep(RUNS["runs"], SWEPT, MULTIPLES))
+stalls.sweep_table(SWEEP)
+SWEEP_FIGURE = stalls.sweep_figure(SWEEP, LIMITS, f"{ROUNDS} rounds")
+figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
 
 # %%
 # The thread budget, measured
 # ---------------------------
-# The cores, each rank's training threads and, where the knob ran (``torchrun``
-# with a core to spare), ``DefaultStager``'s cost with both budgets.
+# Where the knob ran (``torchrun``, a core to spare), both budgets' costs.
 
 KNOB = stalls.thread_knob(SUMMARY, "DefaultStager overlap", THREADS, cores_per_rank())
 results.record("thread_knob", KNOB)
 stalls.thread_budget_table(SUMMARY, KNOB, "DefaultStager overlap", len(per_rank), THREADS)
 
-
 # %%
 # When to choose which
 # --------------------
-# The page writes these from the numbers above: what this run measured, on
-# this machine, at this size. A strategy leads only if its median beats the
-# next best by more than the larger of the two spreads; a smaller lead is
-# noise, and no advice. Rerun the page, or ``make bench``, on your hardware.
+# Written from the numbers above. A strategy leads only if its median beats
+# the next best by more than the larger spread; a smaller lead is no advice.
+# Rerun the page, or ``make bench``, on your hardware.
 
 ADVICE = results.record("advice", stalls.advice(SUMMARY, STRATEGIES[1:]))
 stalls.advice_table(ADVICE)
 
-
 # %%
 # The same, as a training script for ``torchrun``
 # -----------------------------------------------
-# In your own job ``torchrun`` starts the ranks, and ``main()`` does what
-# ``run_on_ranks`` did above: set this rank's device, create the process
-# group, run the loop with the strategy you chose, and destroy the group. The
-# checkpoint directory is a path every rank sees (``shared_tempdir`` made one
-# here; on several machines, a shared file system). Save it as ``train.py``
-# with the functions above, and:
+# In your job ``torchrun`` starts the ranks, and ``main()`` does what
+# ``run_on_ranks`` did: set the device, create the group, run the loop, destroy
+# the group. The directory is one every rank sees (``shared_tempdir``'s here;
+# a shared file system on several machines). Save it as ``train.py`` with the
+# functions above, and:
 #
 # .. code-block:: bash
 #
 #    torchrun --nproc-per-node=2 train.py
 #
-# The cell runs ``main()`` the way ``torchrun`` would, on ranks that have
-# torchrun's environment and no process group yet.
+# The cell runs ``main()`` as ``torchrun`` would: its environment, no group yet.
 
 
-def main(checkpoint_dir, strategy="DefaultStager overlap"):
+def main(checkpoint_dir, strategy="DefaultStager overlap", every=4):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
-        run = train_with_checkpoints(strategy, training_threads(), checkpoint_dir)
-        stall = run["stall_s"] / CHECKPOINTS
-        print(f"{strategy}: stall {stall:.3f} s per checkpoint, loss {run['loss']:.6g}")
+        training = (*set_up_training(), lambda: None)  # one run: nothing to restore
+        paths = [f"{checkpoint_dir}/checkpoint-{n}" for n in range(2)]
+        run = train_with_checkpoints(strategy, training_threads(), paths, [every] * 2, training)
+        stall, loss = max(s["stall_s"] for s in run["segments"]), run["losses"][-1]
+        print(f"{strategy}: stall {stall:.3f} s per checkpoint at most, loss {loss:.6g}")
         dist.barrier()  # no rank tears gloo down while another one still sends
     finally:
         dist.destroy_process_group()
 
 
 run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun"))
-
 
 # %%
 # Clean up
@@ -587,13 +591,10 @@ run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun"))
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 
-
 # %%
 # What to read next
 # -----------------
 # * :ref:`sphx_glr_recipes_async_save_recipe.py`: the asynchronous save, step by step.
-# * :ref:`sphx_glr_recipes_default_stager_recipe.py`: overlapping the copy to
-#   host memory with the next forward and backward pass, and its rules.
-# * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: what goes wrong when
-#   the training loop does not wait for staging.
+# * :ref:`sphx_glr_recipes_default_stager_recipe.py`: the overlapped copy, and its rules.
+# * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: when the loop does not wait for staging.
 # * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.

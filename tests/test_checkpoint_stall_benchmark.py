@@ -2,16 +2,18 @@
 
 No timing is asserted (the machine is shared and noisy). The build's results file holds
 every run of every rank, as the loop measured it, with what the page watched; from those
-raw numbers alone this module recomputes every median, spread, "within noise", ratio, goal
-verdict and piece of advice the page shows, and checks that the runs took turns (a warm-up
-round, then A B C ... A B C, also in time), that every checkpoint was complete and that no
-strategy changed what the loop computes. The download runs alone and computes the losses
+raw numbers alone this module recomputes the intervals the warm-up round chose, every
+median, spread, "within noise", ratio, goal verdict, point of the interval sweep and piece
+of advice the page shows, and checks that the runs took turns (a warm-up round, then
+A B C ... A B C, also in time), that every checkpoint was complete and that no strategy
+changed what the loop computes, step by step. The download runs alone and computes the losses
 the page shows; the source runs once more under torchrun, where the thread knob runs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -53,14 +55,21 @@ NEUTRAL = {
     "overhead_s": 0.0,
     "extra_memory_mb": 0.0,
     "time_until_durable_s": None,
-    "first_checkpoint_s": None,
     "wall_s": None,
 }
+MULTIPLES = [0.5, 1, 2]  # checkpoint intervals, in multiples of dcp.save's first checkpoint
+HEADLINE = 2
+SWEPT = ["DefaultStager overlap", "process writer"]
 GOALS = {"stall_per_checkpoint_s": 0.02, "overhead_s": 0.1}
 CRITERIA = ["stall_per_checkpoint_s", "overhead_s", "extra_memory_mb"]
 # What the recipe prints for every run (rank 0), and main() on every rank.
-RUN_LINE = r"^\[rank0\] (warm-up|round \d+) +(.+?) +threads (\d+), stall [\d.]+ s, loss (\S+)$"
-MAIN_LINE = r"^\[rank(\d)\] DefaultStager overlap: stall [\d.]+ s per checkpoint, loss (\S+)$"
+RUN_LINE = (
+    r"^\[rank0\] (warm-up|round \d+) +(.+?) +threads (\d+), "
+    r"(?:first save [\d.]+ s|stall [\d.]+ s, loss (\S+))$"
+)
+MAIN_LINE = (
+    r"^\[rank(\d)\] DefaultStager overlap: stall [\d.]+ s per checkpoint at most, loss (\S+)$"
+)
 
 
 # --------------------------------------------------------------------------
@@ -76,41 +85,47 @@ def baseline_label(name: str) -> str:
     return name.replace(name.split(" (")[0], "no checkpoint", 1)
 
 
-def run_metrics(run: list[dict], baseline: list[dict]) -> dict:
-    timed = len(run[0]["checkpoints"]) - 1 if run[0]["checkpoints"] else 0
-    assert all(len(r["checkpoints"]) == len(run[0]["checkpoints"]) for r in run)
-    base_step = statistics.median(t for r in baseline for t, _ in r["steps"])
-    overlapped = [t for r in run for t, over in r["steps"] if over]
-    until_durable = [
-        max(r["saves"][i]["durable"] - r["saves"][i]["called"] for r in run)
-        for i in range(1, timed + 1)
-    ]
-    wall = max(r["wall_s"] for r in run)
+def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
+    """A run's numbers at one interval: its segment for ``multiple`` on every rank, against
+    as many steps of the baseline run (its wall time per step)."""
+    index = run[0]["multiples"].index(multiple)
+    assert all(r["multiples"] == run[0]["multiples"] for r in run)
+    segments = [r["segments"][index] for r in run]
+    base = [r["segments"][0] for r in baseline]
+    base_step = statistics.median(t for s in base for t, _ in s["steps"])
+    per_step = max(s["wall_s"] for s in base) / base[0]["steps_between"]
+    overlapped = [t for s in segments for t, over in s["steps"] if over]
+    saving = bool(run[0]["checkpoints"])
+    wall = max(s["wall_s"] for s in segments)
     return {
-        "stall_per_checkpoint_s": max(r["stall_s"] for r in run) / timed if timed else None,
+        "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
         "overlapped_step_slowdown": (
             statistics.median(overlapped) / base_step if overlapped else None
         ),
-        "overhead_s": wall - max(r["wall_s"] for r in baseline),
+        "overhead_s": wall - per_step * segments[0]["steps_between"],
         "extra_memory_mb": max(r["peak_memory_mb"] for r in run)
         - max(r["peak_memory_mb"] for r in baseline),
-        "time_until_durable_s": statistics.median(until_durable) if until_durable else None,
-        "first_checkpoint_s": max(r["first_checkpoint_s"] for r in run) if timed else None,
+        "time_until_durable_s": (
+            max(r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run)
+            if saving
+            else None
+        ),
         "wall_s": wall,
     }
 
 
-def recompute(runs: dict) -> dict:
-    """name -> metric -> each round's value, from the raw runs alone."""
+def recompute(runs: dict, multiple: float = HEADLINE) -> dict:
+    """name -> metric -> each round's value at one interval, from the raw runs alone."""
     return {
         name: {
             metric: [
-                run_metrics(run, runs[baseline_label(name)][i])[metric]
+                run_metrics(run, runs[baseline_label(name)][i], multiple)[metric]
                 for i, run in enumerate(rounds)
             ]
             for metric in NEUTRAL
         }
         for name, rounds in runs.items()
+        if multiple in rounds[0][0]["multiples"]
     }
 
 
@@ -158,12 +173,38 @@ def check_results(results: dict, ranks: int) -> dict:
             r["strategy"] == strategy and r["threads"] == budget for run in rounds for r in run
         )
 
-    # Every checkpoint: one per EVERY steps, its own path, saved once, durable, checked on disk.
+    # The intervals: from the warm-up round, ceil(multiple x dcp.save's first checkpoint /
+    # a step without checkpoints), both the slowest rank's; the swept runs ran every one.
+    warmup = runs["warmup"]
+    save_s = max(r["segments"][0]["stall_s"] for r in warmup["dcp.save"])
+    step_s = max(
+        statistics.median(t for t, _ in r["segments"][0]["steps"]) for r in warmup[STRATEGIES[0]]
+    )
+    chosen = {str(m): max(1, math.ceil(m * save_s / step_s)) for m in MULTIPLES}
+    assert config["intervals"] == chosen
+    in_rounds = [run for rounds in runs["runs"].values() for run in rounds]
+    for run in in_rounds:
+        multiples = (
+            MULTIPLES
+            if run[0]["strategy"] in SWEPT and run[0]["threads"] == threads
+            else [HEADLINE]
+        )
+        for r in run:
+            assert r["multiples"] == multiples
+            assert [s["steps_between"] for s in r["segments"]] == [
+                chosen[str(m)] for m in multiples
+            ]
+            assert all(len(s["steps"]) == s["steps_between"] for s in r["segments"])
+    for name, run in warmup.items():  # the first checkpoint alone; steps without one
+        steps = 0 if not name.startswith("no checkpoint") else 3
+        assert all([s["steps_between"] for s in r["segments"]] == [steps] for r in run), name
+
+    # Every checkpoint: one per interval (in the warm-up, the first), its own path, saved
+    # once, durable, checked on disk; every round's directory removed, and checked, once.
     every_run = in_order
     written = [p for run in every_run for r in run for p in r["checkpoints"]]
-    per_run = config["steps"] // config["every"]
     for run in every_run:
-        count = 0 if run[0]["strategy"] == "no checkpoint" else per_run
+        count = len(run[0]["segments"]) if run[0]["strategy"] != "no checkpoint" else 0
         assert all(len(r["checkpoints"]) == len(r["saves"]) == count for r in run)
         assert all(r["checkpoints"] == run[0]["checkpoints"] for r in run), "one path, all ranks"
         for r in run:
@@ -173,26 +214,25 @@ def check_results(results: dict, ranks: int) -> dict:
     assert complete["checkpoints"] == complete["checked_on_disk"] == len(set(written))
     assert complete["incomplete"] == [] and complete["not_durable"] == 0
     assert complete["saves"] == len(written) and complete["all_finite"]
-    assert (
-        complete["read_back"]
-        == len(runs["removals"])
-        == len(every_run) - len([run for run in every_run if run[0]["strategy"] == "no checkpoint"])
-    )
+    assert complete["read_back"] == len(runs["removals"]) == config["rounds"] + 1
     tensors = complete["read_back_tensors"]
     assert len(tensors) == 1 and tensors[0] > 0, "every checkpoint holds the same tensors"
 
-    # No strategy changes what the loop computes: one loss per rank and thread budget.
+    # No strategy changes what the loop computes: every run starts from the same state, so
+    # per rank and thread budget, step n has one loss in every run that took n steps.
     for rank in range(ranks):
         for budget in {r["threads"] for run in every_run for r in run}:
-            losses = {run[rank]["loss"] for run in every_run if run[rank]["threads"] == budget}
-            assert len(losses) == 1, (rank, budget, losses)
+            losses = [run[rank]["losses"] for run in every_run if run[rank]["threads"] == budget]
+            longest = max(losses, key=len)
+            assert len(longest) >= max(chosen.values()), "the check compares whole runs"
+            assert all(steps == longest[: len(steps)] for steps in losses), (rank, budget)
 
     # dcp.save blocks until durable: the loop's timers see at least what the watch saw.
-    for run in [runs["warmup"]["dcp.save"]] + runs["runs"]["dcp.save"]:
+    for run in [warmup["dcp.save"]] + runs["runs"]["dcp.save"]:
         for r in run:
-            saves = r["saves"]
-            assert r["first_checkpoint_s"] >= saves[0]["durable"] - saves[0]["called"]
-            assert r["stall_s"] >= sum(s["durable"] - s["called"] for s in saves[1:])
+            timed = [segment["stall_s"] for segment in r["segments"]]
+            watched = [save["durable"] - save["called"] for save in r["saves"]]
+            assert len(timed) == len(watched) and all(map(float.__ge__, timed, watched))
 
     # Every median, spread and noise verdict is what the raw numbers give.
     summary, recomputed = values["summary"], recompute(runs["runs"])
@@ -212,10 +252,33 @@ def check_results(results: dict, ranks: int) -> dict:
     assert summary["no checkpoint"]["stall_per_checkpoint_s"] is None
     assert summary["dcp.save"]["overlapped_step_slowdown"] is None, "dcp.save blocks"
     for name in CHECKPOINTING:
-        for metric in ("stall_per_checkpoint_s", "time_until_durable_s", "first_checkpoint_s"):
+        for metric in ("stall_per_checkpoint_s", "time_until_durable_s"):
             assert all(v > 0 for v in recomputed[name][metric]), (name, metric)
     for name in STRATEGIES[2:]:  # the step right after an async save overlaps its write
         assert summary[name]["overlapped_step_slowdown"] is not None, name
+
+    # The sweep: each swept strategy at every interval, against dcp.save's time until durable.
+    sweep = values["sweep"]
+    assert list(sweep) == SWEPT
+    for name in SWEPT:
+        assert list(sweep[name]) == [str(m) for m in MULTIPLES]
+        for multiple in MULTIPLES:
+            entry, raw = sweep[name][str(multiple)], recompute(runs["runs"], multiple)[name]
+            assert entry["steps_between"] == chosen[str(multiple)]
+            for metric in ("stall_per_checkpoint_s", "overhead_s"):
+                assert entry[metric]["values"] == pytest.approx(raw[metric]), (name, multiple)
+                assert entry[metric]["within_noise"] == within_noise(raw[metric], 0.0)
+            ratios, own = [], []
+            for i in range(config["rounds"]):
+                baseline = runs["runs"][STRATEGIES[0]][i]
+                per_step = max(r["segments"][0]["wall_s"] for r in baseline)
+                per_step /= baseline[0]["segments"][0]["steps_between"]
+                save = run_metrics(runs["runs"]["dcp.save"][i], baseline, HEADLINE)
+                interval = per_step * chosen[str(multiple)]
+                ratios.append(interval / save["time_until_durable_s"])
+                own.append(interval / raw["time_until_durable_s"][i])
+            assert entry["interval_vs_save"] == pytest.approx(statistics.median(ratios))
+            assert entry["interval_vs_upload"] == pytest.approx(statistics.median(own))
 
     # The limits: the slowest rank's, and one copy of a rank's share.
     limits = values["limits"]
@@ -300,12 +363,13 @@ def test_the_page_shows_the_runs_the_results_file_holds(build):
     for number, name in runs["order"]:
         run = runs["warmup"][name] if number == 0 else runs["runs"][name][number - 1]
         where = f"round {number}" if number else "warm-up"
-        expected.append(
-            (where, run[0]["strategy"], str(run[0]["threads"]), f"{run[0]['loss']:.6g}")
-        )
+        losses = run[0]["losses"]
+        loss = f"{losses[-1]:.6g}" if losses else ""  # none: the first checkpoint alone
+        expected.append((where, run[0]["strategy"], str(run[0]["threads"]), loss))
     assert printed == expected
-    figure = RECIPES.parent / "recipes" / ".results" / f"{RECIPE}.png"
-    assert figure.read_bytes().startswith(b"\x89PNG"), "the figure beside the results file"
+    for name in (RECIPE, f"{RECIPE}-sweep"):
+        figure = RECIPES.parent / "recipes" / ".results" / f"{name}.png"
+        assert figure.read_bytes().startswith(b"\x89PNG"), "the figures beside the results file"
 
 
 @pytest.mark.download
@@ -316,7 +380,6 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert numbers_in(output, RUN_LINE) == numbers_in(shown, RUN_LINE) != []
     assert numbers_in(output, MAIN_LINE) == numbers_in(shown, MAIN_LINE) != []
     assert "page_tools" not in output and "rounds of the same" not in output, "claims: the build's"
-    assert " - INFO - " not in output, "the writer process's log reached the output"
     assert_no_traceback(output)
     assert recipe_runner.leftovers() == []
     assert recipe_runner.processes_left(grace_s=20.0) == []

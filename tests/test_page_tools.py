@@ -1452,37 +1452,42 @@ def test_below_goal_is_met_missed_or_undecided():
     assert stats.below_goal([1.0, 3.0], [2.0, 2.1])["met"] is None
 
 
-def _run(stall, wall, steps, peak, checkpoints=2, loss=0.5, threads=1, saves_s=0.1):
-    paths = [f"/c/step-{i}" for i in range(checkpoints)]
+def _run(stall, wall, steps, peak, checkpoints=1, losses=(0.5,), threads=1, saves_s=0.1):
+    """One rank's run: ``checkpoints`` intervals (multiples 2, 1, ...), each of ``steps``."""
+    multiples = [2, 1, 0.5][:checkpoints] or [2]
+    segments = [
+        {"steps_between": len(steps), "stall_s": stall, "steps": steps, "wall_s": wall}
+        for _ in multiples
+    ]
     return {
         "strategy": "x",
         "threads": threads,
         "round": 1,
-        "checkpoints": paths,
-        "first_checkpoint_s": 0.3,
-        "stall_s": stall,
-        "steps": steps,
-        "wall_s": wall,
-        "loss": loss,
+        "multiples": multiples,
+        "checkpoints": [f"/c/step-{i}" for i in range(checkpoints)],
+        "segments": segments,
+        "losses": list(losses),
         "peak_memory_mb": peak,
-        "saves": [{"called": 0.0, "durable": saves_s, "error": None} for _ in paths],
+        "saves": [{"called": 0.0, "durable": saves_s, "error": None} for _ in range(checkpoints)],
     }
 
 
-def test_metrics_of_a_run_against_its_rounds_baseline():
-    baseline = [_run(0, 1.0, [[0.1, False]] * 4, 100, checkpoints=0)]
+def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
+    baseline = [_run(0, 0.4, [[0.1, False]] * 4, 100, checkpoints=0)]
     run = [
-        _run(0.2, 1.5, [[0.2, True], [0.1, False]], 150, checkpoints=3, saves_s=0.4),
-        _run(0.3, 1.4, [[0.4, True], [0.1, False]], 130, checkpoints=3, saves_s=0.5),
+        _run(0.2, 0.5, [[0.2, True], [0.1, False]], 150, checkpoints=2, saves_s=0.4),
+        _run(0.3, 0.6, [[0.4, True], [0.1, False]], 130, checkpoints=2, saves_s=0.5),
     ]
-    found = stalls.metrics(run, baseline)
-    assert found["stall_per_checkpoint_s"] == pytest.approx(0.3 / 2)  # the slowest rank, 2 timed
+    found = stalls.metrics(run, baseline, 1)
+    assert found["stall_per_checkpoint_s"] == pytest.approx(0.3)  # the slowest rank
     assert found["overlapped_step_slowdown"] == pytest.approx(0.3 / 0.1)  # median of 0.2, 0.4
-    assert found["overhead_s"] == pytest.approx(0.5)
+    assert found["overhead_s"] == pytest.approx(0.6 - 2 * 0.1)  # 2 steps of the baseline's
     assert found["extra_memory_mb"] == pytest.approx(50)
     assert found["time_until_durable_s"] == pytest.approx(0.5)
-    assert found["first_checkpoint_s"] == pytest.approx(0.3)
-    assert stalls.metrics(baseline, baseline)["stall_per_checkpoint_s"] is None
+    assert stalls.metrics(baseline, baseline, 2)["stall_per_checkpoint_s"] is None
+    assert stalls.metrics(baseline, baseline, 2)["overhead_s"] == 0.0
+    with pytest.raises(ValueError):
+        stalls.metrics(run, baseline, 4)  # no interval of 4x a save's time ran
 
 
 def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
@@ -1493,7 +1498,7 @@ def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
         ],
         "dcp.save": [[_run(0.2, 1.5, [[0.1, False]], 90)], [_run(0.25, 2.5, [[0.1, False]], 95)]],
     }
-    summary = stalls.summarize(runs)
+    summary = stalls.summarize(runs, 2)
     assert summary["dcp.save"]["overhead_s"]["values"] == pytest.approx([0.5, 0.5])
     assert summary["dcp.save"]["overhead_s"]["within_noise"] is False
     assert summary["dcp.save"]["extra_memory_mb"]["within_noise"] is True, "below zero: noise"
@@ -1503,6 +1508,27 @@ def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
     assert (
         stalls.label("dcp.save", 2, 1) == "dcp.save (2 threads)" and stalls.label("a", 1, 1) == "a"
     )
+
+
+def test_sweep_puts_each_interval_against_dcp_saves_time():
+    runs = {
+        "no checkpoint": [[_run(0, 1.0, [[0.1, False]] * 2, 100, 0)]] * 2,
+        "dcp.save": [[_run(0.2, 1.2, [[0.1, False]] * 2, 100, saves_s=0.25)]] * 2,
+        "overlap": [
+            [_run(0.01, 1.05, [[0.12, True], [0.1, False]], 100, checkpoints=2)],
+            [_run(0.02, 1.15, [[0.12, True], [0.1, False]], 100, checkpoints=2)],
+        ],
+    }
+    found = stalls.sweep(runs, ["overlap"], [2, 1])
+    assert list(found["overlap"]) == ["2", "1"]
+    entry = found["overlap"]["1"]
+    assert entry["steps_between"] == 2
+    assert entry["interval_vs_save"] == pytest.approx(1.0 / 0.25)  # 2 steps of 0.5 s each
+    assert entry["interval_vs_upload"] == pytest.approx(1.0 / 0.1)  # its own: 0.1 s
+    assert entry["overhead_s"]["values"] == pytest.approx([0.05, 0.15])
+    assert entry["stall_per_checkpoint_s"]["median"] == pytest.approx(0.015)
+    (row, _) = stalls.sweep_table(found).rows
+    assert row[:4] == ["overlap", "2x: 2 steps", 4.0, 10.0]
 
 
 def test_goals_cannot_be_met_against_a_reference_that_is_noise():
@@ -1541,14 +1567,21 @@ def test_advice_gives_none_where_the_lead_is_noise():
 def test_the_benchmarks_checks_fail_where_they_should():
     assert stalls.interleaved([(0, "a"), (0, "b"), (1, "a"), (1, "b")], ["a", "b"], 1)
     assert not stalls.interleaved([(0, "a"), (0, "b"), (1, "b"), (1, "a")], ["a", "b"], 1)
-    same = {"warmup": {"a": [_run(0, 1, [], 0)]}, "runs": {"b": [[_run(0, 1, [], 0)]]}}
-    assert stalls.same_losses(same)["held"]
-    same["runs"]["b"][0][0]["loss"] = 0.5000001
+    same = {
+        "warmup": {"a": [_run(0, 1, [], 0, losses=[0.5, 0.4])]},
+        "runs": {"b": [[_run(0, 1, [], 0, losses=[0.5, 0.4, 0.3])]]},
+    }
+    assert stalls.same_losses(same)["held"], "a shorter run computes the longer one's first steps"
+    same["runs"]["b"][0][0]["losses"][1] = 0.4000001
     assert not stalls.same_losses(same)["held"]
-    blocking = {"warmup": {}, "runs": {"dcp.save": [[_run(0.2, 1, [], 0, checkpoints=3)]]}}
-    assert stalls.timers_enclose_blocking_saves(blocking)["held"]  # 0.2 >= 2 x 0.1
-    blocking["runs"]["dcp.save"][0][0]["stall_s"] = 0.15
+    blocking = {"warmup": {}, "runs": {"dcp.save": [[_run(0.2, 1, [], 0, checkpoints=2)]]}}
+    assert stalls.timers_enclose_blocking_saves(blocking)["held"]  # 0.2 >= 0.1, twice
+    blocking["runs"]["dcp.save"][0][0]["segments"][1]["stall_s"] = 0.05
     assert not stalls.timers_enclose_blocking_saves(blocking)["held"]
+    first = _run(0.05, 1, [], 0, checkpoints=1)  # the warm-up's: no steps, until durable
+    blocking = {"warmup": {"dcp.save": [first]}, "runs": {}}
+    assert not stalls.timers_enclose_blocking_saves(blocking)["held"]  # 0.05 < 0.1
+    assert stalls.first_checkpoints(blocking, ["dcp.save"]) == {"dcp.save": 0.05}
 
 
 def test_complete_checkpoints_needs_every_checkpoint_checked_on_disk():

@@ -244,9 +244,9 @@ def medians_with_whiskers(names: Sequence[str], panels: Sequence[dict], title: s
     return figure
 
 
-def save_beside(figure: Any, results_file: Any) -> Any:
-    """Save ``figure`` as a PNG beside a page's results file (same name), where there is one
-    (``results.results_path()``); returns the path, or None."""
+def save_beside(figure: Any, results_file: Any, name: str = "") -> Any:
+    """Save ``figure`` as a PNG beside a page's results file (same name, or with ``-name``
+    added), where there is one (``results.results_path()``); returns the path, or None."""
     import os
     from pathlib import Path
 
@@ -254,6 +254,8 @@ def save_beside(figure: Any, results_file: Any) -> Any:
         return None
 
     path = Path(results_file).with_suffix(".png")
+    if name:
+        path = path.with_name(f"{path.stem}-{name}.png")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return path

@@ -1,20 +1,25 @@
 """What checkpoints cost a training loop, from the loop's own timings, over interleaved rounds.
 
 A benchmark page runs the same loop once per strategy in every round (A B C ... A B C),
-after a warm-up round, and each run returns what its loop measured on every rank: the
-seconds it waited for checkpoints (``stall_s``), each step's seconds and whether a save
-was in flight (``steps``), the timed loop's ``wall_s``, the first checkpoint's seconds and
-its final ``loss``. ``collect`` joins those with what the page watched (when each
-checkpoint became durable: ``timing.checkpoint_saves``; the run's peak host memory:
-``memory.peak_between``; the checks of the checkpoints it removed:
-``disk.checked_before_removal``). Then, per run, against the run without checkpoints of
-the same round and thread budget (``metrics``):
+after a warm-up round, every run from the same starting point. A run checkpoints at one
+or more intervals (``multiples`` of a save's time, ``steps_between`` steps each); per
+interval a *segment*: a checkpoint, that many steps, and the wait until it is durable.
+Each run returns, on every rank, its ``segments`` (``stall_s``: what the loop waited;
+``steps``: each step's seconds and whether a save was in flight; ``wall_s``) and every
+step's loss (``losses``). In the warm-up round, a run's only interval has no steps: its
+stall is the strategy's first checkpoint, until durable.
+``collect`` joins those with what the page watched (when each checkpoint became durable:
+``timing.checkpoint_saves``; the run's peak host memory: ``memory.peak_between``; the
+checks of the checkpoints it removed: ``disk.checked_before_removal``). Then, per run and
+interval, against the run without checkpoints of the same round and thread budget
+(``metrics``):
 
-* *stall per checkpoint*: the slowest rank's total wait over the timed checkpoints;
+* *stall per checkpoint*: the slowest rank's wait;
 * *slow-down of steps that overlap a save*: their median over the round's baseline step;
-* *total overhead*: the run's wall time minus the baseline's (stalls and slower steps);
+* *total overhead*: the segment's wall time minus as many of the baseline's steps (its
+  wall time per step), stalls and slower steps together;
 * *extra peak host memory* per rank, over the baseline's;
-* *time until durable* (median over the checkpoints) and the *first checkpoint*'s time.
+* *time until durable*, from the save call.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
 whether they are within noise (``stats.effect``); the rest renders tables from that.
@@ -39,11 +44,10 @@ METRICS = {
     "overhead_s": ("total overhead over the run without checkpoints", "+.3g", " s", 0.0),
     "extra_memory_mb": ("extra peak host memory per rank", "+.0f", " MB", 0.0),
     "time_until_durable_s": ("time from save call until durable", ".3g", " s", None),
-    "first_checkpoint_s": ("first checkpoint, until durable", ".3g", " s", None),
-    "wall_s": ("wall time of the timed loop", ".3g", " s", None),
+    "wall_s": ("wall time of the interval", ".3g", " s", None),
 }
 
-TIMES = ["stall_per_checkpoint_s", "time_until_durable_s", "first_checkpoint_s"]  # per checkpoint
+TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]  # per run
 
 
@@ -118,7 +122,7 @@ def interleaved(order: Sequence[Sequence[Any]], schedule: Sequence[str], rounds:
 def complete_checkpoints(collected: dict) -> dict:
     """Evidence that every checkpoint the runs wrote was complete: every save durable,
     without an error; every checkpoint on disk with its ``.metadata`` and all its bytes when
-    its run removed it; each run's newest one read back, all values finite."""
+    its directory was removed; the newest of each removal read back, all values finite."""
     runs = [run for name, ranks in collected["warmup"].items() for run in ranks]
     runs += [run for rounds in collected["runs"].values() for ranks in rounds for run in ranks]
     saves = [save for run in runs for save in run["saves"]]
@@ -151,37 +155,39 @@ def complete_checkpoints(collected: dict) -> dict:
 
 
 def same_losses(collected: dict) -> dict:
-    """Per rank and thread budget, the final loss of every run, and whether all are equal."""
-    losses: dict[str, set] = {}
+    """Per rank and thread budget, every run's loss at each step (every run starts from the
+    same state), and whether each step has one loss only."""
+    losses: dict[str, list[set]] = {}
     groups = [*collected["warmup"].items()] + [
         (name, run) for name, rounds in collected["runs"].items() for run in rounds
     ]
     for _, ranks in groups:
         for rank, run in enumerate(ranks):
-            losses.setdefault(f"rank {rank}, {run['threads']} threads", set()).add(run["loss"])
+            steps = losses.setdefault(f"rank {rank}, {run['threads']} threads", [])
+            for step, loss in enumerate(run["losses"]):
+                if step == len(steps):
+                    steps.append(set())
+                steps[step].add(loss)
     return {
-        "losses": {key: sorted(values) for key, values in losses.items()},
-        "held": bool(losses) and all(len(values) == 1 for values in losses.values()),
+        "losses": {key: [sorted(values) for values in steps] for key, steps in losses.items()},
+        "held": bool(losses) and all(len(v) == 1 for steps in losses.values() for v in steps),
     }
 
 
 def timers_enclose_blocking_saves(collected: dict) -> dict:
-    """For ``dcp.save`` (which blocks until durable), on every rank of every run: the loop's
-    own timers saw at least the time its saves took, as the page's watch saw them (the first
-    checkpoint's time, and the stall over the timed ones)."""
+    """For ``dcp.save`` (which blocks until durable), on every rank of every run: each
+    interval's stall, as the loop timed it, is at least the time its save took, as the
+    page's watch saw it."""
     runs = list(collected["warmup"].get("dcp.save", []))
     runs += [run for ranks in collected["runs"].get("dcp.save", []) for run in ranks]
-    rows = [
-        {
-            "first_checkpoint_s": run["first_checkpoint_s"],
-            "first_save_s": run["saves"][0]["durable"] - run["saves"][0]["called"],
-            "stall_s": run["stall_s"],
-            "timed_saves_s": sum(s["durable"] - s["called"] for s in run["saves"][1:]),
-        }
-        for run in runs
-    ]
+    rows = []
+    for run in runs:
+        timed = [segment["stall_s"] for segment in run["segments"]]
+        watched = [save["durable"] - save["called"] for save in run["saves"]]
+        rows.append({"timed_s": timed, "watched_s": watched})
     held = bool(rows) and all(
-        r["first_checkpoint_s"] >= r["first_save_s"] and r["stall_s"] >= r["timed_saves_s"]
+        len(r["timed_s"]) == len(r["watched_s"])
+        and all(t >= w for t, w in zip(r["timed_s"], r["watched_s"], strict=True))
         for r in rows
     )
     return {"runs": rows, "held": held}
@@ -211,7 +217,7 @@ def claim_complete(name: str, collected: dict) -> None:
         name,
         held,
         f"{evidence['checkpoints']} checkpoints: all durable, complete on disk, and the newest "
-        "of each run reads back",
+        "of each round reads back",
         **evidence,
     )
 
@@ -223,7 +229,7 @@ def claim_same_losses(name: str, collected: dict) -> None:
     results.claim(
         name,
         held,
-        "every run ends with the loss of the run without checkpoints, bit for bit",
+        "every run computes the losses of the run without checkpoints, step by step, bit for bit",
         **evidence,
     )
 
@@ -259,39 +265,50 @@ def _median_or_none(values: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def metrics(run: list[dict], baseline: list[dict]) -> dict[str, float | None]:
-    """One run's metrics from every rank's numbers; ``baseline``: its round's run without
-    checkpoints, same thread budget."""
-    timed = len(run[0]["checkpoints"][1:])
-    base_step = statistics.median(t for r in baseline for t, _ in r["steps"])
-    overlapped = [t for r in run for t, over in r["steps"] if over]
-    durable = [
-        max(r["saves"][i]["durable"] - r["saves"][i]["called"] for r in run)
-        for i in range(1, timed + 1)
-    ]
-    wall = max(r["wall_s"] for r in run)
+def _segment(run: dict, multiple: float) -> tuple[int, dict]:
+    index = list(run["multiples"]).index(multiple)
+    return index, run["segments"][index]
+
+
+def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str, float | None]:
+    """One run's metrics at the interval ``multiple``, from every rank's numbers;
+    ``baseline``: its round's run without checkpoints, same thread budget."""
+    index, _ = _segment(run[0], multiple)
+    segments = [_segment(r, multiple)[1] for r in run]
+    base = [r["segments"][0] for r in baseline]
+    base_step = statistics.median(t for s in base for t, _ in s["steps"])
+    steps_between = segments[0]["steps_between"]
+    base_wall = max(s["wall_s"] for s in base) * (steps_between / base[0]["steps_between"])
+    overlapped = [t for s in segments for t, over in s["steps"] if over]
+    saving = bool(run[0]["checkpoints"])
+    wall = max(s["wall_s"] for s in segments)
     return {
-        "stall_per_checkpoint_s": max(r["stall_s"] for r in run) / timed if timed else None,
+        "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
         "overlapped_step_slowdown": statistics.median(overlapped) / base_step
         if overlapped
         else None,
-        "overhead_s": wall - max(r["wall_s"] for r in baseline),
+        "overhead_s": wall - base_wall,
         "extra_memory_mb": max(r["peak_memory_mb"] for r in run)
         - max(r["peak_memory_mb"] for r in baseline),
-        "time_until_durable_s": _median_or_none(durable),
-        "first_checkpoint_s": max(r["first_checkpoint_s"] for r in run) if timed else None,
+        "time_until_durable_s": max(
+            r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run
+        )
+        if saving
+        else None,
         "wall_s": wall,
     }
 
 
-def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict[str, dict | None]]:
-    """Per run name and metric: the median over the rounds with its spread and each round's
-    value, and for an effect (``METRICS``) whether it is within noise. None where a metric
-    does not apply (no overlapped step, no checkpoint)."""
+def summarize(
+    runs: dict[str, list[list[dict]]], multiple: float
+) -> dict[str, dict[str, dict | None]]:
+    """Per run name and metric, at the interval ``multiple``: the median over the rounds
+    with its spread and each round's value, and for an effect (``METRICS``) whether it is
+    within noise. None where a metric does not apply (no overlapped step, no checkpoint)."""
     summary = {}
     for name, rounds in runs.items():
         baseline = runs[baseline_of(name)]
-        per_round = [metrics(run, baseline[i]) for i, run in enumerate(rounds)]
+        per_round = [metrics(run, baseline[i], multiple) for i, run in enumerate(rounds)]
         summary[name] = {}
         for metric, (_, _, _, neutral) in METRICS.items():
             values = [m[metric] for m in per_round]
@@ -302,6 +319,38 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict[str, dict | N
             else:
                 summary[name][metric] = stats.effect(values, neutral)
     return summary
+
+
+def sweep(runs: dict[str, list[list[dict]]], names: Sequence[str], multiples: Sequence[float]):
+    """Per swept run and interval: the steps between checkpoints, the interval over
+    dcp.save's time until durable and over the run's own (per round, then the median), and
+    the stall and total overhead with their spread and noise verdict."""
+    found = {}
+    for name in names:
+        found[name] = {}
+        for multiple in multiples:
+            per_round, ratios, own = [], [], []
+            for i, run in enumerate(runs[name]):
+                baseline = runs[baseline_of(name)][i]
+                per_round.append(metrics(run, baseline, multiple))
+                steps = _segment(run[0], multiple)[1]["steps_between"]
+                base_wall = max(r["segments"][0]["wall_s"] for r in baseline)
+                interval = base_wall * steps / baseline[0]["segments"][0]["steps_between"]
+                save = metrics(
+                    runs["dcp.save"][i], runs[BASELINE][i], runs["dcp.save"][i][0]["multiples"][-1]
+                )
+                ratios.append(interval / save["time_until_durable_s"])
+                own.append(interval / per_round[-1]["time_until_durable_s"])
+            found[name][str(multiple)] = {
+                "steps_between": steps,
+                "interval_vs_save": statistics.median(ratios),
+                "interval_vs_upload": statistics.median(own),
+                "stall_per_checkpoint_s": stats.effect(
+                    [m["stall_per_checkpoint_s"] for m in per_round]
+                ),
+                "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
+            }
+    return found
 
 
 def _median(summary: dict, name: str, metric: str) -> float:
@@ -555,25 +604,46 @@ def config(
     checkpoint_gb: float,
     schedule: Sequence[Sequence[Any]],
     rounds: int,
-    steps: int,
-    every: int,
+    collected: dict,
     per_rank: list,
 ) -> dict:
-    """The benchmark's settings as the results file keeps them, with where it ran."""
+    """The benchmark's settings as the results file keeps them (with the steps between
+    checkpoints the warm-up round chose, per multiple of a save's time), and where it ran."""
     from rank_launcher import under_torchrun
 
+    intervals = {}
+    for rounds_of_run in collected["runs"].values():
+        for run in rounds_of_run[0][:1]:
+            for multiple, segment in zip(run["multiples"], run["segments"], strict=True):
+                intervals[str(multiple)] = segment["steps_between"]
     return {
         "checkpoint_gb": checkpoint_gb,
         "schedule": [list(entry) for entry in schedule],
         "rounds": rounds,
-        "steps": steps,
-        "every": every,
-        "timed_checkpoints": steps // every - 1,
+        "intervals": dict(sorted(intervals.items(), key=lambda item: float(item[0]))),
         "training_threads": schedule[0][1],
         "world_size": len(per_rank),
         "launcher": "torchrun" if under_torchrun() else "fork",
         "accelerator": torch.accelerator.is_available(),
     }
+
+
+def first_checkpoints(collected: dict, names: Sequence[str]) -> dict[str, float]:
+    """Each strategy's first checkpoint (the warm-up round's only interval: no steps, a
+    wait until durable), the slowest rank's seconds."""
+    warmup = collected["warmup"]
+    return {name: max(r["segments"][0]["stall_s"] for r in warmup[name]) for name in names}
+
+
+def first_checkpoints_table(collected: dict, names: Sequence[str]) -> figures.Table:
+    rows = [
+        [name, f"{seconds:.3g} s"] for name, seconds in first_checkpoints(collected, names).items()
+    ]
+    return figures.Table(
+        ["strategy", "first checkpoint, until durable"],
+        rows,
+        caption="the warm-up round: it starts what a strategy starts once (host buffer, process)",
+    )
 
 
 def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: float) -> dict:
@@ -624,6 +694,60 @@ def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
         ],
         title,
     )
+
+
+def sweep_table(found: dict) -> figures.Table:
+    """One row per swept strategy and interval: steps, the interval over dcp.save's time,
+    stall and total overhead (median [lowest .. highest], and "within noise")."""
+    rows = [
+        [
+            name,
+            f"{multiple}x: {entry['steps_between']} steps",
+            round(entry["interval_vs_save"], 2),
+            round(entry["interval_vs_upload"], 2),
+            stats.shown_entry(entry["stall_per_checkpoint_s"], ".3g", " s"),
+            stats.shown_entry(entry["overhead_s"], "+.3g", " s"),
+        ]
+        for name, intervals in found.items()
+        for multiple, entry in intervals.items()
+    ]
+    columns = ["strategy", "interval", "over dcp.save's", "over its upload", "stall"]
+    columns.append("total overhead")
+    return figures.Table(columns, rows, caption="medians over the rounds [lowest .. highest]")
+
+
+def sweep_figure(found: dict, found_limits: dict, what: str):
+    """Stall (log scale) and total overhead per checkpoint against the interval over
+    dcp.save's time, one line per strategy: medians, whiskers the lowest and highest round.
+    The title names the machine."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, intervals in found.items():
+        x = [entry["interval_vs_save"] for entry in intervals.values()]
+        for axis, metric in zip(axes, ("stall_per_checkpoint_s", "overhead_s"), strict=True):
+            entries = [entry[metric] for entry in intervals.values()]
+            medians = [e["median"] for e in entries]
+            whiskers = [
+                [e["median"] - e["min"] for e in entries],
+                [e["max"] - e["median"] for e in entries],
+            ]
+            axis.errorbar(x, medians, yerr=whiskers, marker="o", capsize=3, label=name)
+    for axis, label in zip(
+        axes,
+        ("stall per checkpoint (s, log scale)", "total overhead per checkpoint (s)"),
+        strict=True,
+    ):
+        axis.axvline(1.0, color="gray", linestyle=":", label="interval = dcp.save's time")
+        axis.set_xlabel("checkpoint interval / dcp.save's time until durable")
+        axis.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[1].axhline(0, color="black", linewidth=0.8)
+    axes[0].legend(fontsize="small")
+    checkpoint_gb = found_limits["checkpoint_bytes"] / 1e9
+    figure.suptitle(f"{machine.title()}\ncheckpoint {checkpoint_gb:.2f} GB, {what}")
+    figure.tight_layout()
+    return figure
 
 
 def print_summary_line(bench: bool, recipe: str, headline: dict, found_goals: dict) -> None:
