@@ -528,9 +528,9 @@ figures.save_beside(FIGURE, results.results_path())  # make bench: beside the re
 # ``dcp.save`` and a step; checkpoint every ``steps_between_checkpoints(...)``.
 
 SWEEP = results.record("sweep", stalls.sweep(RUNS["runs"], SWEPT, MULTIPLES))
-stalls.sweep_table(SWEEP)
 SWEEP_FIGURE = stalls.sweep_figure(SWEEP, LIMITS, f"{ROUNDS} rounds")
 figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
+stalls.sweep_table(SWEEP)
 
 # %%
 # The thread budget, measured

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 from recipe_runner import (
+    HTML,
     RECIPES,
     assert_no_traceback,
     assert_ok,
@@ -28,6 +29,7 @@ from recipe_runner import (
     checkpoint_files_in_repo,
     numbers_in,
     page_outputs,
+    parsed_html,
     recipe_path,
 )
 
@@ -370,6 +372,18 @@ def test_the_page_shows_the_runs_the_results_file_holds(build):
     for name in (RECIPE, f"{RECIPE}-sweep"):
         figure = RECIPES.parent / "recipes" / ".results" / f"{name}.png"
         assert figure.read_bytes().startswith(b"\x89PNG"), "the figures beside the results file"
+
+
+def test_the_page_shows_the_sweep_the_results_file_holds(build):
+    """Each swept strategy's row per interval, in the page's tables, as the results file has it."""
+    page = parsed_html(HTML / "recipes" / f"{RECIPE}.html")
+    rows = [[cell.get_text() for cell in row.select("td")] for row in page.select("table tr")]
+    shown = {tuple(row[:3]) for row in rows if len(row) >= 3}
+    for name, intervals in build["values"]["sweep"].items():
+        for multiple, entry in intervals.items():
+            steps = entry["steps_between"]
+            label = f"{multiple}x: {steps} step" + "s" * (steps != 1)
+            assert (name, label, str(round(entry["interval_vs_save"], 2))) in shown, label
 
 
 @pytest.mark.download

@@ -702,7 +702,7 @@ def sweep_table(found: dict) -> figures.Table:
     rows = [
         [
             name,
-            f"{multiple}x: {entry['steps_between']} steps",
+            f"{multiple}x: {entry['steps_between']} step" + "s" * (entry["steps_between"] != 1),
             round(entry["interval_vs_save"], 2),
             round(entry["interval_vs_upload"], 2),
             stats.shown_entry(entry["stall_per_checkpoint_s"], ".3g", " s"),
