@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -260,11 +260,6 @@ def adam_checkpoint_bytes(make_model: Any) -> int:
 # --------------------------------------------------------------------------
 
 
-def _median_or_none(values: Iterable[float]) -> float | None:
-    values = list(values)
-    return statistics.median(values) if values else None
-
-
 def _segment(run: dict, multiple: float) -> tuple[int, dict]:
     index = list(run["multiples"]).index(multiple)
     return index, run["segments"][index]
@@ -296,6 +291,7 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
         if saving
         else None,
         "wall_s": wall,
+        "interval_s": base_wall,  # what the interval's steps take without checkpoints
     }
 
 
@@ -325,24 +321,22 @@ def sweep(runs: dict[str, list[list[dict]]], names: Sequence[str], multiples: Se
     """Per swept run and interval: the steps between checkpoints, the interval over
     dcp.save's time until durable and over the run's own (per round, then the median), and
     the stall and total overhead with their spread and noise verdict."""
+    saves = [  # dcp.save's time until durable, per round (the same at every interval)
+        metrics(run, runs[BASELINE][i], run[0]["multiples"][-1])["time_until_durable_s"]
+        for i, run in enumerate(runs["dcp.save"])
+    ]
     found = {}
     for name in names:
         found[name] = {}
         for multiple in multiples:
-            per_round, ratios, own = [], [], []
-            for i, run in enumerate(runs[name]):
-                baseline = runs[baseline_of(name)][i]
-                per_round.append(metrics(run, baseline, multiple))
-                steps = _segment(run[0], multiple)[1]["steps_between"]
-                base_wall = max(r["segments"][0]["wall_s"] for r in baseline)
-                interval = base_wall * steps / baseline[0]["segments"][0]["steps_between"]
-                save = metrics(
-                    runs["dcp.save"][i], runs[BASELINE][i], runs["dcp.save"][i][0]["multiples"][-1]
-                )
-                ratios.append(interval / save["time_until_durable_s"])
-                own.append(interval / per_round[-1]["time_until_durable_s"])
+            per_round = [
+                metrics(run, runs[baseline_of(name)][i], multiple)
+                for i, run in enumerate(runs[name])
+            ]
+            ratios = [m["interval_s"] / save for m, save in zip(per_round, saves, strict=True)]
+            own = [m["interval_s"] / m["time_until_durable_s"] for m in per_round]
             found[name][str(multiple)] = {
-                "steps_between": steps,
+                "steps_between": _segment(runs[name][0][0], multiple)[1]["steps_between"],
                 "interval_vs_save": statistics.median(ratios),
                 "interval_vs_upload": statistics.median(own),
                 "stall_per_checkpoint_s": stats.effect(
@@ -613,9 +607,9 @@ def config(
 
     intervals = {}
     for rounds_of_run in collected["runs"].values():
-        for run in rounds_of_run[0][:1]:
-            for multiple, segment in zip(run["multiples"], run["segments"], strict=True):
-                intervals[str(multiple)] = segment["steps_between"]
+        run = rounds_of_run[0][0]  # round 1, rank 0: every round and rank ran the same steps
+        for multiple, segment in zip(run["multiples"], run["segments"], strict=True):
+            intervals[str(multiple)] = segment["steps_between"]
     return {
         "checkpoint_gb": checkpoint_gb,
         "schedule": [list(entry) for entry in schedule],
