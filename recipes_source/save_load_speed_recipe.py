@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import disk, figures, machine, memory, proofs, results, stats, timing
+from page_tools import disk, figures, machine, memory, proofs, reads, results, stats, timing
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -62,7 +62,6 @@ if REPEATS < 2:
     raise ValueError(f"DCP_RECIPES_SPEED_REPEATS must be at least 2 (a spread), got {REPEATS}")
 WORK_DIR = shared_tempdir("dcp-speed-")
 print(f"torch {torch.__version__}; checkpoint {SIZE_MB:g} MB, {REPEATS} repeats; in {WORK_DIR}")
-
 
 # %%
 # The model
@@ -111,19 +110,15 @@ def build_sharded_model(seed):
 
 print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1e6:,.0f} MB")
 
-
 # %%
 # The limits: write, sync and read the checkpoint's bytes
 # -------------------------------------------------------
-# ``FileSystemWriter(thread_count=N)`` splits a rank's tensors into N buckets
-# of about equal size; each of N threads writes one file and calls ``fsync``.
-# The page's probe (``page_tools.disk``, on :doc:`/measuring`) writes the same
-# buckets of the model's own shards as raw bytes, with no copy in between, then
-# reads the files back from storage (dropped from the page cache) and from the
-# page cache. DCP also runs ``torch.save`` on each tensor: the probe is an
-# upper bound, not the way DCP writes. It also times ``torch.save`` and
-# ``torch.load`` of every tensor, apart. A limit is the best any repeat reached;
-# reads "from storage" within noise of the page cache's mean a caching host.
+# ``FileSystemWriter(thread_count=N)`` splits a rank's tensors into N buckets,
+# one file and one ``fsync`` per thread. The page's probe (``page_tools.disk``)
+# writes the same buckets as raw bytes, then reads them back from storage and
+# from the page cache: an upper bound (DCP also runs ``torch.save`` on each
+# tensor, which the probe times apart, with ``torch.load``). A limit is the best
+# repeat; reads from storage within noise of the cache's mean a caching host.
 
 limit_runs = run_on_ranks(
     disk.measure_limits, lambda: build_sharded_model(0)[0], f"{WORK_DIR}/limits", (1, 2, 4), REPEATS
@@ -235,9 +230,11 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
 # %%
 # The page checks the warm-up round's checkpoints (each rank's shards as the
 # save got them against what each load filled in, into a model set to NaN),
-# and times each save's and load's planning: from the call to the first byte.
+# times each save's and load's planning (from the call to the first byte) and
+# profiles the warm-up round's last two loads.
 
 with (
+    reads.load_phases(dcp, where=lambda path: "round0/enable_plan_caching" in path) as profiled,
     proofs.checkpoints_checked(dcp, where=proofs.checkpoint_matches("/round0/")) as checked,
     timing.until_first(dcp, "save", FileSystemWriter, "write_data") as save_planning,
     timing.until_first(dcp, "load", dcp.FileSystemReader, "read_data") as load_planning,
@@ -292,6 +289,14 @@ figures.measured(
     ],
     caption="planning: warm loads",
 )
+
+# %%
+# Where the cold load's time goes, per rank (cProfile): ``torch.load`` reading
+# the bytes into new tensors, ``copy_`` into the model's, the rest (planning,
+# unpickling). Reading straight into the model's tensors would skip the copy.
+
+results.record("load_phases", profiled.by_rank)
+reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
 
 # %%
 # Replicated state: deduplication to the lowest rank
@@ -376,13 +381,11 @@ figures.Table(
 # Host memory over 20 saves
 # -------------------------
 # Reports of "host memory grows with every async save" are common. Each rank
-# saves a model (of 128 MB at most) 20 times with each of three strategies, in
-# fresh ranks (under ``torchrun``, in the same ones), and reads its resident
+# saves a model (128 MB at most) 20 times with each of three strategies, in
+# fresh ranks (under ``torchrun``, the same ones), and reads its resident
 # memory (RSS) once each save is on disk: ``dcp.save`` writes from the model's
-# tensors; ``dcp.async_save`` copies the state into new host memory at every
-# save and writes the copy in a thread; with one ``DefaultStager`` for all
-# saves, it copies into the same buffers every time; its writer copies nothing
-# ahead from a GPU (the copy is on the host), so makes no context on GPU 0.
+# tensors; ``dcp.async_save`` copies the state into new host memory every time;
+# one reused ``DefaultStager`` copies into the same buffers every time.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -424,7 +427,7 @@ def save_twenty_times(strategy, checkpoint_root):
         else:
             if torch.accelerator.is_available():
                 torch.accelerator.current_stream().synchronize()  # the stager does not wait
-            writer = FileSystemWriter(path, per_thread_copy_ahead=0)  # see above
+            writer = FileSystemWriter(path, per_thread_copy_ahead=0)  # host copy: no GPU 0 context
             response = dcp.async_save(
                 state_dict, storage_writer=writer, process_group=group, async_stager=stager
             )
@@ -557,10 +560,9 @@ figures.Table(["save GB/s, against the defaults", "verdict", "difference"], ADVI
 # %%
 # The same, as a script for ``torchrun``
 # --------------------------------------
-# On your machine, ``torchrun`` starts the ranks and ``main()`` does what
-# ``run_on_ranks`` did (set the device, create the process group, run the
-# knobs' loop, destroy the group); the checkpoint root is a path every rank
-# sees, as ``shared_tempdir``'s here (a shared file system on several
+# ``torchrun`` starts the ranks and ``main()`` does what ``run_on_ranks`` did
+# (set the device, create the group, run the knobs' loop, destroy the group);
+# the root is a path every rank sees (a shared file system on several
 # machines). Save it as ``speed.py`` with the functions above, and:
 #
 # .. code-block:: bash
@@ -584,14 +586,12 @@ def main(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
 
 run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun"), 0, {"defaults": {}})
 
-
 # %%
 # Clean up
 # --------
 
 shutil.rmtree(WORK_DIR, ignore_errors=True)
 print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
-
 
 # %%
 # What to read next

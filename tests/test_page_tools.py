@@ -1620,6 +1620,28 @@ def test_collect_refuses_runs_and_watches_that_do_not_match():
         )
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_load_phases_profile_the_chosen_loads_by_phase_and_restore_dcp_load(tmp_path):
+    from page_tools import reads
+
+    saved = {"w": torch.rand(512, 512), "b": torch.rand(512)}
+    for name in ("profiled", "not"):
+        dcp.save(saved, checkpoint_id=str(tmp_path / name), no_dist=True)
+    original, target = dcp.load, {key: torch.zeros_like(value) for key, value in saved.items()}
+    with reads.load_phases(dcp, where=lambda path: path.endswith("profiled")) as profiled:
+        dcp.load(target, checkpoint_id=str(tmp_path / "not"), no_dist=True)
+        dcp.load(target, checkpoint_id=str(tmp_path / "profiled"), no_dist=True)
+    assert dcp.load is original
+    assert all(torch.equal(target[key], value) for key, value in saved.items())
+    (record,) = profiled.by_rank[0]  # the other load was not profiled
+    assert record["checkpoint_id"].endswith("profiled")
+    assert list(record["phases"]) == list(reads.LOAD_PHASES)
+    assert all(seconds > 0 for seconds in record["phases"].values()), record
+    assert sum(record["phases"].values()) < record["total_s"]
+    rows = reads.phases_table(profiled, 4 * (512 * 512 + 512)).rows
+    assert [row[1] for row in rows] == [*reads.LOAD_PHASES, "the rest"]
+
+
 def test_adam_checkpoint_bytes_counts_each_parameter_three_times_without_allocating():
     assert stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(4, 4)) == 3 * 4 * (16 + 4)
     big = stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(100_000, 100_000))  # 40 GB

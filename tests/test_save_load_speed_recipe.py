@@ -126,6 +126,20 @@ def test_every_knob_was_timed_in_every_round_with_its_planning(values):
             assert planning < values["limits"]["total_bytes"] / speed / 1e9
 
 
+def test_the_profiled_loads_are_the_warm_up_rounds_last_split_into_phases(values):
+    """On every rank, two profiled loads of the warm-up round's last checkpoint (cold, then
+    warm): every phase took time, and together they took less than the load."""
+    profiled = values["load_phases"]
+    assert sorted(profiled) == [str(rank) for rank in range(values["limits"]["ranks"])]
+    for rank, records in profiled.items():
+        assert [r["checkpoint_id"].rsplit("/", 2)[1:] for r in records] == [
+            ["round0", "enable_plan_caching-True"]
+        ] * 2, rank
+        for record in records:
+            assert all(seconds > 0 for seconds in record["phases"].values()), (rank, record)
+            assert sum(record["phases"].values()) < record["total_s"], (rank, record)
+
+
 def test_the_headline_is_the_best_save_and_load_against_the_limits(values):
     knobs, limit, memory = values["knobs"], values["limits"]["limit"], values["memory"]
     durable = [name for name in KNOBS if name != "sync_files=False"]

@@ -10,9 +10,23 @@ every rank; a load that failed before reading records nothing.
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import pstats
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from page_tools import observe
+from page_tools import figures, observe
+
+# Where a FileSystemReader load spends its time, on the thread that calls dcp.load: each
+# phase is the own time (cProfile's tottime) of the functions whose names contain these.
+# torch.load reads each tensor's bytes from the file into a tensor it allocates; DCP then
+# copies that tensor into the one the state dict holds.
+LOAD_PHASES = {
+    "torch.load reads the bytes into a new tensor": ("'readinto'",),
+    "copy_ into the model's tensor": ("'copy_'",),
+}
 
 
 def _plan_read(call: observe.Call) -> dict[str, Any]:
@@ -25,6 +39,54 @@ def _plan_read(call: observe.Call) -> dict[str, Any]:
         "bytes": sum(info.length for _, info in items),
         "files": sorted({info.relative_path for _, info in items}),
     }
+
+
+def phases(profile: cProfile.Profile, named: dict[str, tuple[str, ...]] = LOAD_PHASES) -> dict:
+    """Seconds of each phase in ``profile``: the own time of every function whose name
+    contains one of the phase's strings."""
+    found = dict.fromkeys(named, 0.0)
+    for (_, _, function), (_, _, own_s, _, _) in pstats.Stats(profile).stats.items():
+        for phase, parts in named.items():
+            if any(part in function for part in parts):
+                found[phase] += own_s
+    return found
+
+
+@contextlib.contextmanager
+def load_phases(dcp: Any, where: Callable[[str], bool]) -> Iterator[observe.Calls]:
+    """Profile every ``dcp.load`` whose ``checkpoint_id`` ``where`` accepts; per call, by
+    rank: ``{"checkpoint_id", "total_s", "phases": {phase: seconds}}`` (``LOAD_PHASES``).
+    ``dcp.load`` is restored on exit."""
+    with observe.recording() as (put, calls):
+
+        def load(*args: Any, **kwargs: Any) -> Any:
+            checkpoint_id = str(kwargs.get("checkpoint_id", ""))
+            if not where(checkpoint_id):
+                return original(*args, **kwargs)
+            profile, started = cProfile.Profile(), time.perf_counter()
+            result = profile.runcall(original, *args, **kwargs)
+            total_s = time.perf_counter() - started
+            put({"checkpoint_id": checkpoint_id, "total_s": total_s, "phases": phases(profile)})
+            return result
+
+        with observe.replaced(dcp, "load", load) as original:
+            yield calls
+
+
+def phases_table(calls: observe.Calls, total_bytes: int) -> figures.Table:
+    """Each rank's first profiled load of its share of ``total_bytes``: every phase's
+    seconds, its share of the load, and the speed the load would have if that phase were all
+    it did; then the rest."""
+    rows, share_bytes = [], total_bytes / max(1, len(calls.by_rank))
+    for rank, records in sorted(calls.by_rank.items()):
+        record = records[0]  # the first: a cold load
+        rest = record["total_s"] - sum(record["phases"].values())
+        for phase, seconds in [*record["phases"].items(), ("the rest", rest)]:
+            share = seconds / record["total_s"]
+            alone = f"{share_bytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
+            rows.append([rank, phase, f"{seconds * 1e3:.0f}", f"{share:.0%}", alone])
+    columns = ["rank", "phase", "ms", "share", "GB/s if it were all"]
+    return figures.Table(columns, rows, caption="cProfile's own time of the calling thread")
 
 
 def file_reads(reader_class: type):
