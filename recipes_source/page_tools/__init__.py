@@ -15,7 +15,8 @@ it proves:
   raises when it does not hold, every value recorded for the build and the tests;
 * ``stats``: medians, spreads, and whether a difference is more than noise;
 * ``timing``, ``memory``, ``disk``: clocks and timelines, host memory, disk limits;
-* ``reads``: what a load read from a checkpoint's files, key by key, and parts of states;
+* ``reads``: what a load read from a checkpoint's files, key by key, where its time went
+  (a profile by phase), and parts of states;
 * ``faults``: writers and stagers that pause or fail on cue, as context managers;
 * ``restarts``: real torchrun jobs restarted after a kill, counted per way of forming the group;
 * ``processes``: the helper processes torch starts for a rank (a checkpoint process), and

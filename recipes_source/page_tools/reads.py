@@ -6,6 +6,11 @@ bytes of the file ranges they name (``.metadata``'s storage index: file, offset,
 length). A key a load does not read (the optimizer of a model-only load) is not in the
 plan, and no byte of it is read. ``read_keys`` and ``read_bytes`` sum the records of
 every rank; a load that failed before reading records nothing.
+
+``load_phases(dcp, where)`` profiles the loads it is asked to (cProfile, the calling
+thread) and splits each into ``LOAD_PHASES``: ``torch.load`` reading each tensor's bytes
+into a tensor it allocates, ``copy_`` into the state dict's tensor, and the rest
+(``phases_table``).
 """
 
 from __future__ import annotations
