@@ -48,7 +48,8 @@ METRICS = {
 }
 
 TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
-COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]  # per run
+# per interval at the headline multiple (the peak memory: over the whole run)
+COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]
 
 
 def label(strategy: str, threads: int, default_threads: int) -> str:
