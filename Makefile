@@ -16,6 +16,13 @@ WHEELS      := $(wildcard /opt/wheels)
 # gpu-check runs a bare PY=python3 from this PATH, not the venv's (it must not need the venv).
 SYSTEM_PATH := $(PATH)
 export PATH := $(abspath $(BIN)):$(PATH)
+# Where PYTHONDONTWRITEBYTECODE is set (as on this machine), every process would compile what
+# it imports again (6.6 s more per `import torch`): the project's commands write bytecode, into
+# the venv and the repository's ignored __pycache__ folders.
+unexport PYTHONDONTWRITEBYTECODE
+# What the build's first processes (the quick start's, the first page, Sphinx) all import: one
+# process compiles it (about 20 s on one core) before several would compile it side by side.
+WARM_IMPORTS := torch.distributed.checkpoint, torch.distributed.fsdp, torch._dynamo, sphinx_gallery.gen_gallery
 
 .PHONY: help venv html html-noplot test lint pytest reruns serve bench stress restart-trials gpu-check versions clean browser-deps
 
@@ -36,15 +43,17 @@ help:
 
 venv: $(READY)
 
-# uv installs the pinned requirements (its own pin is among them): 34 s here where pip took
-# 151 s, both with a warm cache. It compiles to bytecode on both cores; without that, where
-# PYTHONDONTWRITEBYTECODE is set (as here) every process would compile what it imports again
-# (6.6 s more per `import torch`). pip brings uv into the venv, and nothing else.
+# uv installs the pinned requirements (its own pin is among them): 4 s here with a warm cache,
+# where pip took 151 s. pip brings uv into the venv, and nothing else. No process compiles all
+# of the venv (uv's --compile-bytecode: 52 s on both cores, 86 CPU-seconds, most of it modules
+# nothing here imports): Python writes a module's bytecode the first time a process imports
+# it, and every later process reads it (see WARM_IMPORTS).
 $(READY): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $$(grep '^uv==' requirements.txt)
-	$(BIN)/uv pip install --quiet --compile-bytecode --python $(PY) \
+	$(BIN)/uv pip install --quiet --python $(PY) \
 		$(if $(WHEELS),--find-links $(WHEELS)) -r requirements.txt
+	$(PY) -c "import $(WARM_IMPORTS)"
 	touch $@
 
 html: $(READY)
@@ -71,8 +80,8 @@ browser-deps:
 # One worker per core; a worker takes over another's tests when it runs out (worksteal).
 PYTEST_ARGS ?= -n auto --dist worksteal
 
-# make test reads what the build executed and runs one page again: the getting-started page's
-# notebook, alone. (The build itself runs torchrun: the quick start, twice, and the restart
+# make test reads what the build executed and runs one page's code again: the getting-started
+# page's copy buttons, pasted into one script beside the launcher. (The build itself runs torchrun: the quick start, twice, and the restart
 # page's jobs on one agent and on two.) Running every page again (its notebook alone, compared
 # with the page; its script under torchrun and on two agents; its claims at 1 or 3 ranks:
 # about 1,150 CPU-seconds here) is `make reruns`, CI's second test job on every change.

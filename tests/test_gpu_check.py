@@ -228,14 +228,18 @@ def test_a_process_left_running_after_a_pass_is_reported_and_stopped(tmp_path):
 
 # --------------------------------------------------------------------------
 # A CPU dry run: one real recipe, one that fails, one that needs a missing module
+# (the real one is a short page: the tool is under test here, not the recipe)
 # --------------------------------------------------------------------------
+
+
+REAL = "stager_copies_recipe"
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     (out / "stale_recipe.log").write_text("from an earlier run")
-    recipes = ",".join(["save_load_recipe", str(FAILING), str(MISSING)])
+    recipes = ",".join([REAL, str(FAILING), str(MISSING)])
     result = run_tool("--allow-cpu", "--recipes", recipes, "--timeout", "200", "--out", str(out))
     summary = json.loads((out / "summary.json").read_text())
     return result, summary, out
@@ -265,24 +269,25 @@ def test_dry_run_summary_says_where_it_ran_and_that_it_was_no_gpu_check(dry_run)
 def test_dry_run_records_each_recipe(dry_run):
     _, summary, out = dry_run
     by_name = {r["recipe"]: r for r in summary["recipes"]}
-    assert list(by_name) == ["save_load_recipe", "failing_recipe", "missing_module_recipe"]
+    assert list(by_name) == [REAL, "failing_recipe", "missing_module_recipe"]
     keys = {"recipe", "path", "status", "reason", "exit_status", "seconds", "log", "gpus"}
     assert all(keys | {"headline", "claims", "leftovers"} == set(r) for r in summary["recipes"])
     assert by_name["missing_module_recipe"]["gpus"] is None, "never started: nothing sampled"
     if shutil.which("nvidia-smi") is None:
-        assert by_name["save_load_recipe"]["gpus"] == {
+        assert by_name[REAL]["gpus"] == {
             "measured": False,
             "reason": "not measured (no nvidia-smi)",
         }
     else:  # a GPU machine: the dry run hides the GPUs, so its ranks use none
-        assert by_name["save_load_recipe"]["gpus"]["processes"] == []
+        assert by_name[REAL]["gpus"]["processes"] == []
 
-    passed = by_name["save_load_recipe"]
+    passed = by_name[REAL]
     assert passed["status"] == "pass" and passed["exit_status"] == 0 and passed["reason"] is None
-    assert passed["path"] == "recipes_source/save_load_recipe.py"
+    assert passed["path"] == f"recipes_source/{REAL}.py"
     assert passed["seconds"] > 0
     assert passed["leftovers"] == []
-    assert "0 differ" in (out / passed["log"]).read_text()  # the full output, in its log
+    log = (out / passed["log"]).read_text()  # the full output, in its log
+    assert "the second save copied into the first's host buffers, on every rank" in log
 
     failed = by_name["failing_recipe"]
     assert failed["status"] == "fail" and failed["exit_status"] == 1
@@ -292,7 +297,7 @@ def test_dry_run_records_each_recipe(dry_run):
     assert "RuntimeError: this recipe fails on purpose" in log
     assert failed["headline"] == {"stall_ms": 12.5}, "what it recorded before it failed"
     assert failed["claims"] == {"held": 1, "not measured": 0, "failed": 0}
-    assert passed["claims"]["held"] >= 6 and passed["claims"]["failed"] == 0, passed
+    assert passed["claims"]["held"] >= 10 and passed["claims"]["failed"] == 0, passed
 
     skipped = by_name["missing_module_recipe"]
     assert skipped["status"] == "skipped"
@@ -310,7 +315,7 @@ def test_dry_run_records_each_recipe(dry_run):
     ), "the earlier run's log must be gone"
     assert sorted(p.name for p in (out / "results").iterdir()) == [
         "failing_recipe.json",
-        "save_load_recipe.json",
+        f"{REAL}.json",
     ], "each recipe's results file, and no earlier run's"
 
 
@@ -319,7 +324,7 @@ def test_dry_run_prints_one_line_per_recipe_and_the_total(dry_run):
     table = result.stdout[result.stdout.index("\nrecipe ") + 1 :].splitlines()
     assert re.fullmatch(r"recipe +seconds +result", table[0])
     gpus = r"  \| GPUs: (not measured \(no nvidia-smi\)|no process of the recipe seen.*)"
-    assert re.fullmatch(r"save_load_recipe +\d+\.\d +pass  \| claims: 6 held" + gpus, table[1])
+    assert re.fullmatch(REAL + r" +\d+\.\d +pass  \| claims: 10 held" + gpus, table[1])
     assert re.fullmatch(
         r"failing_recipe +\d+\.\d +fail \(exit status 1\)"
         r"  \| claims: 1 held  \| stall_ms 12\.5" + gpus,

@@ -62,6 +62,7 @@ def test_ranks_that_disagree_on_the_directory_fail_at_load(claims):
     assert len(own_dir) == 1 and own_dir[0].startswith("rank 1: AssertionError: metadata is None")
 
 
+@pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's proofs watch the recipe, they do not change it: same losses, same files."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))

@@ -24,7 +24,9 @@ from recipe_runner import (
     RECIPES,
     ROOT,
     assert_no_traceback,
+    numbers_in,
     page_download,
+    page_outputs,
     parsed_html,
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
@@ -361,7 +363,8 @@ def test_script_and_notebook_hold_the_same_statements(site, name):
 
 
 def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, tmp_path):
-    """The getting-started page's code blocks, copied in order into one file, run as a script."""
+    """The getting-started page's code blocks, copied in order into one file, run as a script
+    and compute what the page shows: its losses and its checkpoint files, byte for byte."""
     name = "save_load_recipe"
     pasted = tmp_path / "pasted" / "my_checkpointing.py"
     pasted.parent.mkdir()
@@ -389,6 +392,9 @@ def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, t
     assert result.returncode == 0, output[-4000:]
     assert output.count(" other values compared, 0 differ") == 5, output
     assert_no_traceback(output)
+    shown = "".join(page_outputs(name))
+    for printed in (r"^\[rank\d\] step \d: loss \d\.\d{4}$", r"^__\d_0\.distcp +[\d,]+ bytes$"):
+        assert numbers_in(output, printed) == numbers_in(shown, printed) != [], printed
 
 
 PAGE_FIXTURE = '''\
@@ -803,3 +809,21 @@ def test_pages_in_a_browser(site):
         texts = [text for text, _, _ in report.header_links]
         assert texts == expected_header_links(name), report.summary()
         assert all(status == 200 for *_, status in report.header_links), report.summary()
+
+
+@pytest.mark.browser
+def test_a_page_that_reaches_outside_is_reported_and_nothing_leaves(tmp_path):
+    """A request to another host, by name or by address, is listed and never connects."""
+    from site_browser import check_pages
+
+    outside = ["http://192.0.2.1/pixel.png", "https://fonts.example.com/font.css"]
+    (tmp_path / "page.html").write_text(
+        f'<html><head><title>t</title><link rel="stylesheet" href="{outside[1]}"></head>'
+        f'<body><h1>t</h1><img src="{outside[0]}"><img src="local.png"></body></html>'
+    )
+    (tmp_path / "local.png").write_bytes(b"")
+    (report,) = check_pages(tmp_path, ["page.html"], tmp_path / "shots", check_copy=False)
+    assert sorted(report.external_requests) == sorted(outside), report.summary()
+    blocked = dict(line.rsplit(": ", 1) for line in report.blocked_requests)
+    assert blocked == dict.fromkeys(outside, "net::ERR_PROXY_CONNECTION_FAILED"), blocked
+    assert report.failed_requests == [], report.summary()
