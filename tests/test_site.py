@@ -697,16 +697,14 @@ def download_runs(test_module: Path) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
-def test_every_pages_download_runs_alone_in_make_test_or_make_reruns(name):
-    """Each page's test module runs its download alone; the getting-started page's in
-    `make test`, every other page's marked ``download`` (`make reruns`, CI on every change)."""
+def test_every_pages_download_runs_alone_in_make_reruns(name):
+    """Each page's test module runs its download alone, marked ``download`` (`make reruns`,
+    CI on every change): `make test` reads the build, and runs one page's code again, the
+    getting-started page's, pasted from its copy buttons (test_code_pasted_from_a_page...)."""
     runs = download_runs(ROOT / "tests" / f"test_{name}.py")
     assert runs, f"no test runs {name}'s download alone"
     in_make_test = [test for test, markers in runs.items() if "download" not in markers]
-    if f"{name}.py" == dcp_site.RECIPE_ORDER[0]:
-        assert in_make_test, "make test runs the getting-started page's download"
-    else:
-        assert in_make_test == [], "make test reads the build; the reruns are make reruns'"
+    assert in_make_test == [], "make test reads the build; the reruns are make reruns'"
 
 
 def copy_site(tmp_path: Path) -> Path:
