@@ -81,10 +81,11 @@ browser-deps:
 PYTEST_ARGS ?= -n auto --dist worksteal
 
 # make test reads what the build executed and runs one page's code again: the getting-started
-# page's copy buttons, pasted into one script beside the launcher. (The build itself runs torchrun: the quick start, twice, and the restart
-# page's jobs on one agent and on two.) Running every page again (its notebook alone, compared
-# with the page; its script under torchrun and on two agents; its claims at 1 or 3 ranks:
-# about 1,150 CPU-seconds here) is `make reruns`, CI's second test job on every change.
+# page's copy buttons, pasted into one script beside the launcher. (The build itself runs
+# torchrun: the quick start, twice, and the restart page's jobs on one agent and on two.)
+# Running every page again (its notebook alone, compared with the page; its script under
+# torchrun and on two agents; its claims at 1 or 3 ranks: about 1,150 CPU-seconds here) is
+# `make reruns`, CI's second test job on every change.
 RERUNS := torchrun or ranks or download
 
 pytest: $(READY) browser-deps

@@ -54,7 +54,7 @@ CHROMIUM_FLAGS = [
     # Every request to another host goes to a proxy on a closed loopback port (loopback itself
     # bypasses proxies): it fails at once and never leaves the machine. Blocking them through
     # Playwright's request interception instead would turn the browser's cache off: each page
-    # fetched and compiled the theme's scripts and styles again (18% of the check's time).
+    # fetched and compiled the theme's scripts and styles again (a sixth of the check's time).
     "--proxy-server=socks5://127.0.0.1:9",
 ]
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen, as a reader reads
