@@ -823,5 +823,9 @@ def test_a_page_that_reaches_outside_is_reported_and_nothing_leaves(tmp_path):
     (report,) = check_pages(tmp_path, ["page.html"], tmp_path / "shots", check_copy=False)
     assert sorted(report.external_requests) == sorted(outside), report.summary()
     blocked = dict(line.rsplit(": ", 1) for line in report.blocked_requests)
-    assert blocked == dict.fromkeys(outside, "net::ERR_PROXY_CONNECTION_FAILED"), blocked
+    assert sorted(blocked) == sorted(outside), report.blocked_requests
+    # Refused at the proxy (Debian's chromium names it so; others may say SOCKS), not by DNS
+    # or the network: nothing was sent anywhere but to the closed loopback port.
+    proxy_errors = {"net::ERR_PROXY_CONNECTION_FAILED", "net::ERR_SOCKS_CONNECTION_FAILED"}
+    assert set(blocked.values()) <= proxy_errors, blocked
     assert report.failed_requests == [], report.summary()
