@@ -503,9 +503,10 @@ def _describe_failure(
     recipe: str, failure: tuple[int, str], outputs: list[str], workdir: str
 ) -> str:
     rank, cause = failure
-    # The rank that raised first is the cause; others were stopped because of it.
+    # The rank that raised first is the cause; others were stopped because of it (a record
+    # without its time counts last: its rank was stopped while it wrote it).
     raised = sorted(
-        (float(Path(workdir, f"rank{r}.failed").read_text() or 0), r)
+        (float(Path(workdir, f"rank{r}.failed").read_text() or "inf"), r)
         for r in range(len(outputs))
         if Path(workdir, f"rank{r}.failed").exists()
     )
@@ -581,7 +582,10 @@ def _rank_entry(
         Path(workdir, f"rank{rank}.result").write_bytes(pickle.dumps((value, device)))
         code = 0
     except BaseException:
-        Path(workdir, f"rank{rank}.failed").write_text(repr(time.time()))
+        # Written whole or not at all (a rank stopped while writing it leaves no empty record).
+        writing = Path(workdir, f"rank{rank}.failing")
+        writing.write_text(repr(time.time()))
+        os.replace(writing, writing.with_suffix(".failed"))
         traceback.print_exc()
         code = 1
     log.flush()

@@ -28,6 +28,22 @@ def test_a_raising_rank_fails_the_launch_with_its_traceback(recipe_runner):
     assert recipe_runner.processes_left() == []
 
 
+def test_the_rank_that_raised_first_is_the_cause_not_one_stopped_while_it_wrote_that_it_failed(
+    tmp_path,
+):
+    # Rank 1 raised; rank 0's barrier then failed, and the launcher stopped rank 0 while it
+    # was writing its record (an empty file): the error names rank 1 and shows its traceback.
+    (tmp_path / "rank0.failed").write_text("")
+    (tmp_path / "rank1.failed").write_text(repr(1.0e9))
+    outputs = ["rank 0 reached step 7\n", "rank 1 reached step 7\nValueError: loss is NaN\n"]
+    message = rank_launcher._describe_failure("raising", (0, "exit code 1"), outputs, tmp_path)
+    assert message.startswith("recipe 'raising': rank 1 failed: rank 1 raised\n"), message
+    assert (
+        "----- output and traceback of rank 1 -----\nrank 1 reached step 7\nValueError" in message
+    )
+
+
+@pytest.mark.long
 def test_a_hanging_rank_fails_at_the_deadline(recipe_runner):
     result = recipe_runner.script(SCRIPTS / "hanging_rank.py", timeout=120, DCP_RECIPES_TIMEOUT="8")
     assert result.returncode != 0
