@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -13,13 +15,28 @@ from recipe_runner import HTML, ROOT, RecipeRunner
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that launch recipes or a browser (tens of seconds each) start first: the run
-    then ends on short tests on every worker, not on one long test while the others idle."""
+    """The longest tests start first, dealt out over the workers: marked ``long`` (10 s or
+    more here), then those that launch recipes or a browser. pytest-xdist gives each worker
+    an equal run of the collection, in order, and a worker that runs out takes tests from
+    the end of another's run: so the run ends on short tests on every worker, not on one
+    long test while the others idle (with them all at the front, one worker got them all)."""
 
-    def launches(item: pytest.Item) -> bool:
-        return "recipe_runner" in item.fixturenames or item.get_closest_marker("browser")
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("long"):
+            return 0
+        launches = "recipe_runner" in item.fixturenames or item.get_closest_marker("browser")
+        return 1 if launches else 2
 
-    items.sort(key=lambda item: not launches(item))
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    first = sorted((item for item in items if rank(item) < 2), key=rank)
+    rest = iter([item for item in items if rank(item) == 2])
+    ordered, left = [], len(items)
+    for worker in range(workers):
+        size = left // (workers - worker)  # the run xdist's work-stealing gives this worker
+        left -= size
+        mine = first[worker::workers]
+        ordered += mine + list(itertools.islice(rest, max(0, size - len(mine))))
+    items[:] = ordered + list(rest)
 
 
 @pytest.fixture

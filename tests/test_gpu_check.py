@@ -362,6 +362,7 @@ def test_make_gpu_check_runs_the_given_python_and_never_builds_the_venv():
     assert "-m venv" not in dry.stdout and "pip install" not in dry.stdout, dry.stdout
 
 
+@pytest.mark.long
 def test_a_budget_for_the_whole_run_stops_a_recipe_and_runs_no_more(tmp_path):
     out = tmp_path / "gpu-check"
     recipes = f"{HANGING},{FAILING}"
@@ -514,18 +515,11 @@ def test_without_nvidia_smi_a_recipes_gpus_are_not_measured(monkeypatch, tmp_pat
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_a_torch_that_cannot_reuse_a_stager_gets_the_backport_and_says_so(tmp_path):
+    # The tool's own probe finds the bug in this torch (the summary quotes its error); the
+    # recipe then stages with one DefaultStager three times, which that torch cannot.
     bug = {"PYTHONPATH": str(TORCH_2_11_STAGER)}
-    plain = subprocess.run(
-        [sys.executable, str(REUSED_STAGER)],
-        env=dict(os.environ, **bug),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert plain.returncode != 0, "the fixture reproduces torch 2.11's bug"
-    assert "KeyError: <class 'type'>" in plain.stderr
-
     out = tmp_path / "gpu-check"
     result = run_tool("--allow-cpu", "--recipes", str(REUSED_STAGER), "--out", str(out), **bug)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -2022,6 +2022,7 @@ def test_wrapped_lines_fit_and_medians_tables():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_kills_fire_where_planned_and_leave_torch_as_it_was(recipe_runner):
     """In forked ranks: at a byte of a file, at a tensor of a staging, at an optimizer step;
     in a new process (a torchrun worker) of attempt 0 only; and a kill that never fires."""
@@ -2348,6 +2349,7 @@ def test_the_site_reset_hook_stops_a_store_that_a_failed_page_left_running(tmp_p
     assert store.process.poll() is not None and store not in object_store._RUNNING
 
 
+@pytest.mark.long
 def test_object_store_counts_kills_restarts_and_is_stopped_when_the_page_raises(tmp_path):
     from page_tools import ports
 

@@ -362,6 +362,7 @@ def test_script_and_notebook_hold_the_same_statements(site, name):
     assert ast.dump(ast.parse("\n".join(cells))) == ast.dump(ast.Module(statements, []))
 
 
+@pytest.mark.long
 def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, tmp_path):
     """The getting-started page's code blocks, copied in order into one file, run as a script
     and compute what the page shows: its losses, and its checkpoint files' sizes."""
@@ -728,6 +729,7 @@ def sphinx_build(source: Path, *options: str, **env: str) -> subprocess.Complete
     )
 
 
+@pytest.mark.long
 def test_a_raising_recipe_fails_the_build_with_its_rank_traceback(tmp_path):
     copy = copy_site(tmp_path)
     shutil.copyfile(FIXTURES / "broken_recipe.py", copy / "recipes_source" / "broken_recipe.py")
@@ -749,6 +751,7 @@ def test_a_raising_recipe_fails_the_build_with_its_rank_traceback(tmp_path):
     assert "about to fail on rank 1" in log, "the failing rank's output is in the error"
 
 
+@pytest.mark.long
 def test_noplot_build_renders_every_page_without_running_it(tmp_path):
     copy = copy_site(tmp_path)
     result = sphinx_build(copy, "-D", "plot_gallery=0")
@@ -778,6 +781,7 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
         assert matrix in {str(Path(copy, d).resolve()) for d in environment.dependencies[docname]}
 
 
+@pytest.mark.long
 @pytest.mark.browser
 def test_pages_in_a_browser(site):
     """Headless chromium: every page loads offline, with code, output and copy buttons."""
