@@ -488,7 +488,8 @@ def _uses(node: ast.AST, names: set[str]) -> bool:
         for sub in ast.walk(node)
         if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id in names
     }
-    return bool(loaded - (_bound(node) - getattr(names, "package", set())))
+    # Most statements read none of them: only those that do need their own bindings walked.
+    return bool(loaded) and bool(loaded - (_bound(node) - getattr(names, "package", set())))
 
 
 def _is_page_import(node: ast.stmt) -> bool:
