@@ -91,6 +91,19 @@ def numbers_in(lines: str, pattern: str) -> list[str]:
     return re.findall(pattern, lines, re.M)
 
 
+# What the getting-started page prints that a run of its code must print alike: every loss, and
+# the size of each rank's checkpoint file.
+SAVE_LOAD_NUMBERS = (r"^\[rank\d\] step \d: loss \d\.\d{4}$", r"^__\d_0\.distcp +[\d,]+ bytes$")
+
+
+def assert_prints_what_the_page_shows(output: str, name: str, patterns: tuple[str, ...]) -> None:
+    """A run of page ``name``'s code printed, for each pattern, the lines its built page shows
+    (and at least one)."""
+    shown = "".join(page_outputs(name))
+    for pattern in patterns:
+        assert numbers_in(output, pattern) == numbers_in(shown, pattern) != [], pattern
+
+
 def recipe_path(name: str) -> Path:
     path = RECIPES / f"{name}.py"
     assert path.exists(), f"no recipe {path}"

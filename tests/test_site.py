@@ -23,10 +23,10 @@ from recipe_runner import (
     RECIPE_NAMES,
     RECIPES,
     ROOT,
+    SAVE_LOAD_NUMBERS,
     assert_no_traceback,
-    numbers_in,
+    assert_prints_what_the_page_shows,
     page_download,
-    page_outputs,
     parsed_html,
 )
 from sphinx_gallery.py_source_parser import split_code_and_text_blocks
@@ -393,9 +393,7 @@ def test_code_pasted_from_a_page_runs_beside_the_launcher(site, recipe_runner, t
     assert result.returncode == 0, output[-4000:]
     assert output.count(" other values compared, 0 differ") == 5, output
     assert_no_traceback(output)
-    shown = "".join(page_outputs(name))
-    for printed in (r"^\[rank\d\] step \d: loss \d\.\d{4}$", r"^__\d_0\.distcp +[\d,]+ bytes$"):
-        assert numbers_in(output, printed) == numbers_in(shown, printed) != [], printed
+    assert_prints_what_the_page_shows(output, name, SAVE_LOAD_NUMBERS)
 
 
 PAGE_FIXTURE = '''\
