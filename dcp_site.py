@@ -775,6 +775,19 @@ def reread_recipe_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     ]
 
 
+def forget_pickled_doctrees(app: Sphinx, env, docnames: list[str]) -> None:
+    """``env-before-read-docs``: drop the doctrees an earlier build left in the environment.
+
+    Sphinx 7.2 keeps each page it reads one at a time (5 changed pages or fewer, or no
+    ``-j``) in memory for its writer, and pickles that cache with the environment. A later
+    build that reads its pages in parallel (more than 5 changed, with ``-j``) caches none,
+    so its writer took the pickled ones: pages as an older build read them (Sphinx 7.3
+    stops pickling the cache). Before this build reads, every cached doctree is an earlier
+    build's; the writer then loads each page's doctree from its file, the newest.
+    """
+    getattr(env, "_write_doc_doctree_cache", {}).clear()
+
+
 def reread_site_pages(app: Sphinx, env, added, changed, removed) -> list[str]:
     """``env-get-outdated``: a build that runs the quick start reads the landing page again,
     which waits for it (``_finish_quick_start``) and shows its output; "PyTorch versions"
@@ -1257,6 +1270,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("source-read", _finish_quick_start)
     app.connect("env-get-outdated", reread_recipe_pages)
     app.connect("env-get-outdated", reread_site_pages)
+    app.connect("env-before-read-docs", forget_pickled_doctrees)
     app.connect("builder-inited", _add_template_filters)
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)

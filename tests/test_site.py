@@ -779,6 +779,34 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
         assert matrix in {str(Path(copy, d).resolve()) for d in environment.dependencies[docname]}
 
 
+def test_a_parallel_build_writes_the_pages_it_read_not_those_an_earlier_build_cached(tmp_path):
+    # Sphinx 7.2 pickles the doctrees of a build that read its pages one at a time; a later
+    # build that reads more than 5 in parallel wrote those instead of what it had just read.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+        "from dcp_site import forget_pickled_doctrees\n\n"
+        "def setup(app):\n"
+        "    app.connect('env-before-read-docs', forget_pickled_doctrees)\n"
+    )
+    pages = [f"page{n}" for n in range(7)]
+    (project / "index.rst").write_text(
+        "Index\n=====\n\n.. toctree::\n\n" + "".join(f"   {p}\n" for p in pages)
+    )
+
+    def build(text: str, jobs: str) -> None:
+        for name in pages:
+            (project / f"{name}.rst").write_text(f"{name}\n=====\n\n{text} of {name}\n")
+        result = sphinx_build(project, "-j", jobs)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+    build("the first text", "1")
+    build("the second text", "2")
+    written = [(project / "_build" / "html" / f"{p}.html").read_text() for p in pages]
+    assert all(f"the second text of {p}" in html for p, html in zip(pages, written, strict=True))
+
+
 @pytest.mark.long
 @pytest.mark.browser
 def test_pages_in_a_browser(site):
