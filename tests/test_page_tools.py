@@ -2372,7 +2372,7 @@ def test_object_store_counts_kills_restarts_and_is_stopped_when_the_page_raises(
     assert "a/.metadata" in report["objects"] and "b/__0_0.distcp" in report["objects"]
     assert "b/.metadata" not in report["objects"], "the kill came before .metadata"
     assert report["loaded"] == list(range(8)) and report["restored"] and report["starts"] == 2
-    assert len(report["ports"]) == 9, "master, volume, filer, s3, metrics; 4 gRPC ports"
+    assert len(report["ports"]) == 11, "master, volume, filer, s3, metrics, admin; 5 gRPC ports"
     assert report["env"] == report["endpoint"] and report["in_bucket"] == {"run/x": 5}
     deadline = time.monotonic() + 10
     while report["pid"] in _weed_processes() and time.monotonic() < deadline:
