@@ -2397,6 +2397,47 @@ def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
     assert not (tmp_path / "object-store").exists(), "nothing was created"
 
 
+def test_request_counters_are_read_once_they_hold_still(tmp_path):
+    # SeaweedFS counts a request after it has answered it: here the first read of the
+    # counters misses a save's last request (its DELETE), as a read right after a save may.
+    import http.server
+    import threading
+
+    from page_tools import object_store
+
+    reads = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            reads.append(self.path)
+            deletes = 0 if len(reads) == 1 else 1
+            body = (
+                'SeaweedFS_s3_request_total{bucket="b",code="200",type="PUT"} 2\n'
+                'SeaweedFS_s3_request_total{bucket="b",code="204",type="DELETE"} '
+                f"{deletes}\n"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        store = object_store.Store(tmp_path, "bucket", binary="/bin/true")
+        store.ports["metrics"] = server.server_address[1]
+        assert store.requests() == {"PUT": 2, "DELETE": 1}
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert reads[0] == "/metrics" and len(reads) == 3, "read until two reads agreed"
+
+
 def test_requests_between_counts_each_stretch_on_one_rank_and_restores():
     from page_tools import object_store
 

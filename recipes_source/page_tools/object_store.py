@@ -247,7 +247,19 @@ class Store:
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def requests(self) -> dict[str, int]:
-        """The S3 gateway's own request counters so far, by S3 action (PUT, GET, ...)."""
+        """The S3 gateway's own request counters so far, by S3 action (PUT, GET, ...), once
+        they hold still: the gateway counts a request after it has answered it, so a read
+        right after a save could miss the save's last request (its DELETE, say)."""
+        counts = self._request_counters()
+        for _ in range(100):  # 2 s at most
+            time.sleep(0.02)
+            again = self._request_counters()
+            if again == counts:
+                break
+            counts = again
+        return counts
+
+    def _request_counters(self) -> dict[str, int]:
         url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
             text = response.read().decode()
