@@ -109,8 +109,8 @@ def blocks_in_order(doc: BeautifulSoup) -> list[tuple[str, str]]:
 
 def test_every_recipe_has_a_page(site):
     assert RECIPE_NAMES, "no recipes found"
-    for name in RECIPE_NAMES:
-        page(site, name)
+    missing = [name for name in RECIPE_NAMES if not (site / "recipes" / f"{name}.html").is_file()]
+    assert missing == [], "recipes without a page"  # (what is on each, the other tests read)
     assert (site / "index.html").exists()
     assert (site / "troubleshooting.html").exists()
 
