@@ -25,7 +25,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # process compiles it (about 20 s on one core) before several would compile it side by side.
 WARM_IMPORTS := torch.distributed.checkpoint, torch.distributed.fsdp, torch._dynamo, sphinx_gallery.gen_gallery
 
-.PHONY: help venv html html-noplot test lint pytest reruns serve bench stress restart-trials gpu-check versions clean browser-deps
+.PHONY: help venv html html-noplot test lint pytest pytest-beside-the-build reruns serve bench stress restart-trials gpu-check versions clean browser-deps
 
 help:
 	@echo "make html         execute every recipe and build the site into $(BUILD)/html"
@@ -93,20 +93,29 @@ PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist worksteal
 RERUNS := torchrun or ranks or download
 
 pytest: $(READY) browser-deps
-	$(PY) -m pytest $(PYTEST_ARGS) -m "not ($(RERUNS))"
+	$(PY) -m pytest $(PYTEST_ARGS) $(PYTEST_SKIP) -m "not ($(RERUNS))"
+
+# The test of `make html-noplot` builds a copy of the site without executing anything: it
+# reads nothing the executed build writes, and in make test it runs beside that build, at
+# the lowest priority, on the core the build leaves idle (its pages execute one at a time),
+# and is done within the first pages, long before the performance pages run.
+BESIDE_THE_BUILD := tests/test_site.py::test_noplot_build_renders_every_page_without_running_it
+
+pytest-beside-the-build: $(READY)
+	nice -n 19 $(PY) -m pytest -q -p no:cacheprovider $(BESIDE_THE_BUILD)
 
 reruns: $(READY)
 	@test -f $(BUILD)/html/index.html || $(MAKE) html
 	$(PY) -m pytest $(PYTEST_ARGS) -m "$(RERUNS)"
 
 # chromium's install (apt: network and disk) beside the venv's (uv: both cores, compiling);
-# lint beside the build (it needs one core for seconds, the build rarely has both busy). The
-# tests run after the build, never beside it: they would load the machine that the
-# performance pages measure.
+# lint and the noplot build's test beside the build (the build rarely has both cores busy).
+# The other tests run after the build, never beside it: they would load the machine that
+# the performance pages measure.
 test:
 	$(MAKE) -j2 --output-sync=target venv browser-deps
-	$(MAKE) -j2 --output-sync=target lint html
-	$(MAKE) pytest
+	$(MAKE) -j3 --output-sync=target lint html pytest-beside-the-build
+	$(MAKE) pytest PYTEST_SKIP="--deselect $(BESIDE_THE_BUILD)"
 
 serve: $(READY)
 	@test -f $(BUILD)/html/index.html || $(MAKE) html

@@ -66,7 +66,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class Store:
-    """One SeaweedFS server (master, volume, filer and S3 gateway in one process)."""
+    """One SeaweedFS server (master, volume, filer, S3 gateway and admin in one process)."""
 
     def __init__(self, data_dir: str | os.PathLike, bucket: str, binary: str | None = None):
         self.data_dir = Path(data_dir)
