@@ -281,6 +281,19 @@ def headers_read(env) -> dict[str, str]:
     return env.dcp_recipe_headers
 
 
+def merge_headers_read(app: Sphinx, env, docnames: set[str], other) -> None:
+    """``env-merge-info``: keep the headers the processes of a parallel read (``-j``)
+    recorded; without them, every build read every recipe page again (a warm
+    ``make html-noplot`` took 18 s instead of 5)."""
+    read = headers_read(other)
+    headers_read(env).update({docname: read[docname] for docname in docnames if docname in read})
+
+
+def forget_header_read(app: Sphinx, env, docname: str) -> None:
+    """``env-purge-doc``: a page read again (or removed) has no header until it is read."""
+    headers_read(env).pop(docname, None)
+
+
 def _after_title(text: str, block: str) -> str:
     """Insert ``block`` right after the page's first section title."""
     lines = text.split("\n")
@@ -1275,5 +1288,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("build-finished", _copy_theme_webfonts)
     app.connect("build-finished", _write_standalone_downloads)
     app.connect("source-read", insert_page_header)
+    app.connect("env-merge-info", merge_headers_read)
+    app.connect("env-purge-doc", forget_header_read)
     app.connect("doctree-read", mark_page_work)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
