@@ -753,7 +753,8 @@ def test_a_raising_recipe_fails_the_build_with_its_rank_traceback(tmp_path):
 def test_noplot_build_renders_every_page_without_running_it(tmp_path):
     copy = copy_site(tmp_path)
     # As make html-noplot builds: its pages read and written by several processes (-j).
-    result = sphinx_build(copy, "-D", "plot_gallery=0", "-j", "2")
+    noplot = ("-D", "plot_gallery=0", "-j", "2")
+    result = sphinx_build(copy, *noplot)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     for name in RECIPE_NAMES:
         doc = parsed_html(copy / "_build" / "html" / "recipes" / f"{name}.html")
@@ -766,7 +767,7 @@ def test_noplot_build_renders_every_page_without_running_it(tmp_path):
     # downloads as the first wrote them: standalone, not the gallery's files Sphinx copies.
     downloads = copy / "_build" / "html" / "_downloads"
     first = {path: path.read_bytes() for path in downloads.glob("*/*") if path.suffix != ".zip"}
-    again = sphinx_build(copy, "-D", "plot_gallery=0", "-j", "2")
+    again = sphinx_build(copy, *noplot)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "0 added, 0 changed, 0 removed" in again.stdout, again.stdout
     assert not re.search(r"(reading sources|writing output)\.\.\. \[", again.stdout), again.stdout

