@@ -7,6 +7,7 @@ answer is known, including the ones that must fail.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -1337,6 +1338,58 @@ def test_checkpoint_saves_times_each_save_until_durable_and_restores_dcp(tmp_pat
     assert found[str(tmp_path / "blocking")][0]["rank"] == 0
 
 
+class _Manager:
+    """A checkpoint manager as the page uses torch_checkpointing's: save returns the write's
+    future, or None where it wrote already."""
+
+    def __init__(self, background: bool):
+        self.background = background
+        self.pending: list[concurrent.futures.Future] = []
+
+    def save(self, checkpoint_id, checkpoint):
+        if not self.background:
+            return None
+        self.pending.append(concurrent.futures.Future())
+        return self.pending[-1]
+
+
+def test_checkpoint_saves_times_a_managers_saves_until_their_future_is_done(tmp_path):
+    original = _Manager.save
+    background, synchronous = _Manager(True), _Manager(False)
+    with timing.checkpoint_saves(dcp, _Manager) as saves:
+        write = background.save(tmp_path / "background", {"w": 1})
+        assert synchronous.save(str(tmp_path / "synchronous"), {"w": 1}) is None
+        time.sleep(0.01)  # the background save is done only once its future is
+        write.set_result(None)
+        failing = background.save(str(tmp_path / "failing"), {})
+        failing.set_exception(OSError("disk full"))
+    assert _Manager.save is original, "restored"
+    recorded = {Path(r["checkpoint_id"]).name: r for r in saves.by_rank[0]}
+    assert recorded["synchronous"]["durable"] == recorded["synchronous"]["returned"]
+    done = recorded["background"]
+    assert done["call"] == "manager.save" and done["error"] is None
+    assert done["called"] <= done["returned"] < recorded["synchronous"]["called"]
+    assert done["durable"] >= recorded["synchronous"]["returned"] + 0.01
+    assert recorded["failing"]["durable"] is None and "disk full" in recorded["failing"]["error"]
+
+
+def test_torch_checkpointing_checkpoints_checked_on_disk_and_read_back(tmp_path):
+    round_dir = tmp_path / "round-0"
+    for name in ("tc-0", "tc-1", "tmp_tc-2"):
+        (round_dir / name).mkdir(parents=True)
+        torch.save({"model": {"w": torch.ones(4)}, "step": 3}, round_dir / name / "app_0.pt")
+    torch.save({"model": {"w": torch.full((2,), float("nan"))}}, round_dir / "tc-1" / "app_1.pt")
+    (round_dir / "tc-0" / "app_1.pt").write_bytes(b"")  # a rank's file, empty
+    assert disk.torch_checkpointing_on_disk(round_dir / "tmp_tc-2")["metadata"] is False
+    assert disk.torch_checkpointing_on_disk(round_dir / "tc-0")["missing"] == ["app_1.pt"]
+    checked = disk.check_checkpoints(round_dir)
+    assert set(checked["checkpoints"]) == {"tc-0", "tc-1", "tmp_tc-2"}
+    assert all(c["library"] == "torch_checkpointing" for c in checked["checkpoints"].values())
+    assert checked["newest"] is None and checked["loaded"] is None, "no DCP checkpoint here"
+    # the newest complete one: tc-1, whose second file holds NaN
+    assert checked["loaded_torch_checkpointing"] == {"tensors": 2, "finite": False}
+
+
 def test_peak_sampler_sees_memory_allocated_while_it_runs():
     sampler = memory.PeakSampler(interval_s=0.005).start()
     held = torch.ones(50_000_000, dtype=torch.uint8)  # 50 MB, every page touched
@@ -1527,6 +1580,128 @@ def test_sweep_puts_each_interval_against_dcp_saves_time():
     assert row[:4] == ["overlap", "2x: 2 steps", 4.0, 10.0]
 
 
+def test_runs_at_one_interval_stand_for_every_interval_only_where_none_changes_their_costs():
+    save = {**_run(0.2, 1.2, [[0.1, False]], 90), "strategy": "dcp.save", "multiples": [0.5]}
+    other = {**_run(0.05, 1.1, [[0.1, True]], 90), "strategy": "async_save", "multiples": [4]}
+    runs = {
+        "no checkpoint": [[{**_run(0, 1.0, [[0.1, False]], 100, 0), "strategy": "no checkpoint"}]],
+        "dcp.save": [[save]],
+        "async_save": [[other]],
+    }
+    assert stalls.covers(save, 4) and stalls.covers(other, 4) and not stalls.covers(other, 2)
+    assert list(stalls.summarize(runs, 2)) == ["no checkpoint", "dcp.save"]
+    summary = stalls.summarize(runs, 4)
+    assert summary["dcp.save"]["stall_per_checkpoint_s"]["values"] == [0.2]
+    with pytest.raises(ValueError):
+        stalls.metrics([other], runs["no checkpoint"][0], 2)  # it never ran at 2x
+
+
+def test_sweep_takes_each_runs_own_intervals_and_at_interval_picks_one():
+    runs = {
+        "no checkpoint": [[_run(0, 1.0, [[0.1, False]] * 2, 100, 0)]],
+        "dcp.save": [[_run(0.2, 1.2, [[0.1, False]] * 2, 100, saves_s=0.25)]],
+        "overlap": [[_run(0.01, 1.05, [[0.12, True], [0.1, False]], 100, checkpoints=2)]],
+        "knob": [[_run(0.03, 1.2, [[0.12, True], [0.1, False]], 100, checkpoints=1)]],
+    }
+    found = stalls.sweep(runs, ["overlap", "knob"])
+    assert {name: list(entries) for name, entries in found.items()} == {
+        "overlap": ["2", "1"],
+        "knob": ["2"],
+    }
+    at_2x = stalls.at_interval(found, 2)
+    assert list(at_2x) == ["overlap", "knob"] and list(stalls.at_interval(found, 1)) == ["overlap"]
+    assert at_2x["knob"]["stall_per_checkpoint_s"]["median"] == pytest.approx(0.03)
+
+
+def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
+    def rank_run(strategy, number, peak_checkpoints):
+        run = {**_run(0.1, 1, [[0.1, True]], 0, checkpoints=peak_checkpoints)}
+        run.update(strategy=strategy, round=number, multiples=[2])
+        run["checkpoints"] = [f"/c/{strategy}-{number}-{i}" for i in range(peak_checkpoints)]
+        run.pop("saves"), run.pop("peak_memory_mb")
+        return run
+
+    per_rank = [[rank_run(s, n, 0 if s == "no checkpoint" else 1) for n in (0, 1)
+                 for s in ("no checkpoint", "kept", "other")]]  # fmt: skip
+    saves = observe.Calls({0: [
+        {"checkpoint_id": p, "called": 0.0, "durable": 0.5}
+        for run in per_rank[0] for p in run["checkpoints"]
+    ]})  # fmt: skip
+    peaks = observe.Calls({0: [{"peak_mb": mb} for mb in (10.0, 900.0, 800.0, 12.0, 5.0, 850.0)]})
+    collected = stalls.collect(per_rank, saves, peaks, observe.Calls(), 1, memory_kept=("kept",))
+    assert [r["memory_kept"] for r in collected["warmup"]["kept"]] == [False], "its first run"
+    assert collected["runs"]["kept"][0][0]["memory_kept"] is True
+    summary = stalls.summarize(collected["runs"], 2)
+    assert summary["kept"]["extra_memory_mb"] is None
+    assert summary["other"]["extra_memory_mb"]["values"] == [pytest.approx(838.0)]
+    assert stalls.first_checkpoints_table(collected, ["kept", "other"]).rows[0][2] == "+900 MB"
+    summary["kept"]["stall_per_checkpoint_s"] = stats.effect([0.01, 0.02])
+    summary["other"]["stall_per_checkpoint_s"] = stats.effect([0.5, 0.6])
+    stall_only = {"stall_per_checkpoint_s": "the pause matters"}
+    assert (
+        stalls.advice(summary, ["kept", "other"], stall_only)["stall_per_checkpoint_s"]["best"]
+        == "kept"
+    )
+    with pytest.raises(ValueError):  # one strategy measured: no runner-up to compare with
+        stalls.advice(summary, ["kept", "other"], {"extra_memory_mb": "memory"})
+
+
+def test_starting_point_puts_weights_and_optimizer_state_back_in_place():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    restore = stalls.starting_point(model, optimizer)
+    weight, moment = model.weight.detach().clone(), optimizer.state[model.weight]["exp_avg"].clone()
+    tensors = (model.weight, optimizer.state[model.weight]["exp_avg"])
+    for _ in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    assert not torch.equal(model.weight, weight)
+    restore()
+    assert torch.equal(model.weight, weight)
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"], moment)
+    assert tensors == (model.weight, optimizer.state[model.weight]["exp_avg"]), "in place"
+
+
+def test_take_turns_warms_up_picks_intervals_and_runs_the_schedule_in_rounds(tmp_path):
+    def steps_between(save_s, step_s, multiple):
+        return max(1, math.ceil(multiple * save_s / step_s))
+
+    def intervals_of(strategy, threads):
+        return (0.5, 2) if strategy == "swept" else (2,)
+
+    def train(strategy, threads, paths, between, training):
+        for path in paths:
+            os.makedirs(path)
+        stall = 0.3 if strategy == "dcp.save" else 0.01  # a save: 0.3 s; a step: 0.1 s
+        segments = [{"steps_between": n, "stall_s": stall, "steps": [[0.1, False]] * n,
+                     "wall_s": 0.1 * n + stall} for n in between]  # fmt: skip
+        losses = [0.5] * sum(between)
+        return {"checkpoints": paths if strategy != "no checkpoint" else [],
+                "segments": segments, "losses": losses}  # fmt: skip
+
+    schedule = [("no checkpoint", 1), ("dcp.save", 1), ("swept", 1)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        runs = stalls.take_turns(
+            schedule, 2, str(tmp_path), None, train, intervals_of, steps_between
+        )
+    finally:
+        dist.destroy_process_group()
+    assert [(r["round"], r["strategy"]) for r in runs] == [
+        (n, s) for n in range(3) for s, _ in schedule
+    ]
+    warm_up = runs[:3]
+    assert [r["segments"][0]["steps_between"] for r in warm_up] == [3, 0, 0]
+    assert all(r["multiples"] == (None,) for r in warm_up)
+    swept = runs[5]
+    assert swept["multiples"] == (0.5, 2)
+    assert [s["steps_between"] for s in swept["segments"]] == [2, 6]  # 0.5 and 2 x 0.3 s / 0.1 s
+    assert swept["checkpoints"][0].startswith(str(tmp_path / "round-1" / "swept-1-threads"))
+    assert os.listdir(tmp_path) == [], "rank 0 removed every round's directory"
+
+
 def test_goals_cannot_be_met_against_a_reference_that_is_noise():
     summary = {
         "dcp.save": {"overhead_s": stats.effect([1.0, 1.1])},
@@ -1595,6 +1770,20 @@ def test_complete_checkpoints_needs_every_checkpoint_checked_on_disk():
     assert stalls.complete_checkpoints(collected)["incomplete"] == ["/c/step-1"]
     assert not stalls.complete_checkpoints(collected)["held"]
     removal["checkpoints"]["step-1"] = good
+    # a torch_checkpointing checkpoint in the round: its newest must read back too
+    other = {**_run(0.2, 1, [], 0, checkpoints=1), "checkpoints": ["/c/tc-0"]}
+    other["saves"] = [{"call": "manager.save", "called": 0.0, "durable": 0.1, "error": None}]
+    collected["runs"]["torch_checkpointing"] = [[other]]
+    removal["checkpoints"]["tc-0"] = {**good, "library": "torch_checkpointing"}
+    removal["loaded_torch_checkpointing"] = None
+    assert not stalls.complete_checkpoints(collected)["held"], "its newest was not read back"
+    removal["loaded_torch_checkpointing"] = {"tensors": 3, "finite": True}
+    found = stalls.complete_checkpoints(collected)
+    assert found["held"] and found["read_back"] == 2 and found["manager_saves"] == 1
+    assert found["read_back_tensors"] == [2, 3]
+    removal["checkpoints"]["tc-0"]["metadata"] = False  # still under its temporary name
+    assert stalls.complete_checkpoints(collected)["incomplete"] == ["/c/tc-0"]
+    removal["checkpoints"]["tc-0"]["metadata"] = True
     run["saves"][0]["durable"] = None  # a save that never became durable
     assert not stalls.complete_checkpoints(collected)["held"]
 

@@ -30,7 +30,10 @@ lowest of every rank's: a save waits for its slowest rank.
 ``.metadata`` (which DCP writes last) is there, and every byte range it lists is in its
 file. ``loads_in_one_process(path)`` reads every tensor back. ``checked_before_removal``
 runs both on every checkpoint a page's ranks remove with ``shutil.rmtree``, just before
-it goes.
+it goes. A torch_checkpointing checkpoint (``<item>_<rank>.pt`` files, no index) is
+complete when its directory has its final name (the library writes under ``tmp_<name>``
+and renames it once every rank is done) and no file is empty; its files are read back
+with ``torch.load``.
 """
 
 from __future__ import annotations
@@ -403,21 +406,78 @@ def loads_in_one_process(path: str | os.PathLike) -> dict:
     return {"tensors": len(state_dict), "finite": finite}
 
 
+TORCH_CHECKPOINTING_TEMP_PREFIX = "tmp_"  # its directory's name until every rank is done
+
+
+def torch_checkpointing_on_disk(path: str | os.PathLike) -> dict:
+    """Whether a torch_checkpointing checkpoint directory is complete, in the form of
+    ``checkpoint_on_disk``'s: ``metadata`` says the directory has its final name."""
+    path = Path(path)
+    files = sorted(path.glob("*.pt"))
+    final = not path.name.startswith(TORCH_CHECKPOINTING_TEMP_PREFIX)
+    missing = [f.name for f in files if f.stat().st_size == 0] + ([] if files else ["*.pt"])
+    return {
+        "metadata": final,
+        "entries": len(files),
+        "missing": missing,
+        "library": "torch_checkpointing",
+    }
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value.to_local() if hasattr(value, "to_local") else value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def torch_checkpointing_loads(path: str | os.PathLike) -> dict:
+    """Read every file of a torch_checkpointing checkpoint back with ``torch.load``:
+    ``{"tensors": n, "finite": all values finite}`` (as ``loads_in_one_process``)."""
+    tensors = []
+    with warnings.catch_warnings():
+        # Its files hold DTensors; unpickling their mesh outside the job's groups warns.
+        warnings.simplefilter("ignore")
+        for file in sorted(Path(path).glob("*.pt")):
+            tensors += _tensors(torch.load(file, map_location="cpu", weights_only=False))
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    return {"tensors": len(tensors), "finite": finite}
+
+
 def check_checkpoints(directory: str | os.PathLike) -> dict:
-    """Every checkpoint in ``directory`` (a subdirectory with DCP files), checked on disk;
-    the newest one (by its ``.metadata``) read back in one process."""
+    """Every checkpoint in ``directory`` (a subdirectory with DCP files, or with
+    torch_checkpointing's ``*.pt`` files), checked on disk; the newest complete one of each
+    library (by its newest file) read back in one process (``loaded``; torch_checkpointing's:
+    ``loaded_torch_checkpointing``)."""
     directory = Path(directory)
     found = sorted(
         {p.parent for pattern in ("*/.metadata", "*/*.distcp") for p in directory.glob(pattern)}
     )
+    others = sorted({p.parent for p in directory.glob("*/*.pt")} - set(found))
     checked = {p.name: checkpoint_on_disk(p) for p in found}
-    complete = [p for p in found if checked[p.name]["metadata"] and not checked[p.name]["missing"]]
-    newest = max(complete, key=lambda p: (p / ".metadata").stat().st_mtime_ns, default=None)
+    checked |= {p.name: torch_checkpointing_on_disk(p) for p in others}
+
+    def newest(paths: list[Path]) -> Path | None:
+        complete = [
+            p for p in paths if checked[p.name]["metadata"] and not checked[p.name]["missing"]
+        ]
+        return max(
+            complete, key=lambda p: max(f.stat().st_mtime_ns for f in p.iterdir()), default=None
+        )
+
+    dcp_newest, others_newest = newest(found), newest(others)
     return {
         "directory": str(directory),
         "checkpoints": checked,
-        "newest": newest.name if newest else None,
-        "loaded": loads_in_one_process(newest) if newest else None,
+        "newest": dcp_newest.name if dcp_newest else None,
+        "loaded": loads_in_one_process(dcp_newest) if dcp_newest else None,
+        "loaded_torch_checkpointing": torch_checkpointing_loads(others_newest)
+        if others_newest
+        else None,
     }
 
 

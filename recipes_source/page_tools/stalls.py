@@ -28,11 +28,13 @@ whether they are within noise (``stats.effect``); the rest renders tables from t
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from page_tools import disk, figures, machine, observe, results, stats, timing
 
@@ -74,8 +76,12 @@ def collect(
     peaks: observe.Calls,
     removals: observe.Calls,
     default_threads: int,
+    memory_kept: Sequence[str] = (),
 ) -> dict:
     """Every run of every rank, with its checkpoints' durable times and its peak memory.
+    A strategy in ``memory_kept`` keeps its host buffers and writer process from one run to
+    the next (torch_checkpointing's one manager per job): after the warm-up, a run's peak
+    above its start cannot see them, and its runs say so (``memory_kept``).
 
     Returns ``{"order": [(round, name)], "runs": {name: [[rank run] per measured round]},
     "warmup": {name: [rank run]}, "removals": [records]}``; round 0 is the warm-up. Raises
@@ -102,6 +108,7 @@ def collect(
                 **run,
                 "peak_memory_mb": peak["peak_mb"],
                 "saves": [records[0] for records in saved],
+                "memory_kept": run["strategy"] in memory_kept and run["round"] > 0,
             }
             if run["round"] == 0:
                 warmup.setdefault(name, []).append(entry)
@@ -112,6 +119,93 @@ def collect(
                 rounds[run["round"] - 1].append(entry)
     removed = [record for _, records in sorted(removals.by_rank.items()) for record in records]
     return {"order": order, "runs": runs, "warmup": warmup, "removals": removed}
+
+
+def starting_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """Keep a copy of the weights and the optimizer's state; returns what puts it back in
+    place (``copy_``: nothing is allocated), so that every run starts from the same state."""
+    tensors = list(model.parameters())
+    tensors += [value for state in optimizer.state.values() for value in state.values()]
+    saved = [tensor.detach().clone() for tensor in tensors]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, saved, strict=True):
+                tensor.copy_(copy)
+
+    return restore
+
+
+def take_turns(
+    schedule: Sequence[tuple[str, int]],
+    rounds: int,
+    root: str,
+    training: tuple,
+    train: Any,
+    intervals_of: Any,
+    steps_between: Any,
+    warm_up_steps: int = 3,
+) -> list[dict]:
+    """Round 0 warms up, then every run of ``schedule`` (``(strategy, threads)``; the first:
+    no checkpoint, the default budget) once per round, in the same order, each with
+    ``train(strategy, threads, paths, steps_between, training)``. The warm-up runs each
+    strategy's first checkpoint alone (no steps; ``warm_up_steps`` without checkpoints), and
+    picks the steps between checkpoints per multiple (``measured_intervals``, with
+    ``steps_between(save_s, step_s, multiple)``); later runs checkpoint at the multiples
+    ``intervals_of(strategy, threads)`` gives. Each round writes into its own
+    directory under ``root``, which rank 0 removes once every rank is done with it."""
+    threads = schedule[0][1]
+    multiples = sorted({m for strategy, t in schedule for m in intervals_of(strategy, t)})
+    runs: list[dict] = []
+    intervals: dict[float, int] = {}
+    for number in range(rounds + 1):
+        directory = os.path.join(root, f"round-{number}")
+        for strategy, budget in schedule:
+            chosen = intervals_of(strategy, budget)
+            between = [intervals.get(multiple) for multiple in chosen]
+            if number == 0:  # the warm-up: each first checkpoint, until durable; a few steps
+                chosen, between = (None,), [0 if strategy != BASELINE else warm_up_steps]
+            name = f"{strategy.replace(' ', '-').replace(',', '')}-{budget}-threads"
+            paths = [f"{directory}/{name}-{i}" for i in range(len(between))]
+            run = train(strategy, budget, paths, between, training)
+            run.update(round=number, strategy=strategy, threads=budget, multiples=chosen)
+            runs.append(printed(run))
+        intervals = intervals or measured_intervals(runs, threads, multiples, steps_between)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)  # the disk is the next round's
+    return runs
+
+
+def measured_intervals(
+    warm_up: list[dict], threads: int, multiples: Sequence[float], steps_between: Any
+) -> dict[float, int]:
+    """Steps between checkpoints per multiple of a save's time (``steps_between(save_s,
+    step_s, multiple)``), from the warm-up round's ``dcp.save`` (its first save, until
+    durable) and its median step without checkpoints, on the slowest rank."""
+    run = {r["strategy"]: r for r in warm_up if r["threads"] == threads}
+    step_s = statistics.median(t for t, _ in run[BASELINE]["segments"][0]["steps"])
+    both = torch.tensor([run["dcp.save"]["segments"][0]["stall_s"], step_s], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    save_s, step_s = both.tolist()
+    intervals = {multiple: steps_between(save_s, step_s, multiple) for multiple in multiples}
+    if dist.get_rank() == 0:
+        every = ", ".join(f"{m}x: {n}" for m, n in intervals.items())
+        print(f"a save takes {save_s:.3g} s, a step {step_s:.3g} s; steps per interval, {every}")
+    return intervals
+
+
+def printed(run: dict) -> dict:
+    """Rank 0 prints a run's round, strategy, threads, and its stall at its last interval
+    and its loss (in the warm-up: its first save, until durable). Returns the run."""
+    if dist.get_rank() == 0:
+        stall, losses = run["segments"][-1]["stall_s"], run["losses"]
+        when = f"round {run['round']}" if run["round"] else "warm-up"
+        shown = f"first save {stall:.3f} s"
+        if losses:
+            shown = f"stall {stall:.3f} s, loss {losses[-1]:.6g}"
+        print(f"{when:<8} {run['strategy']:<26} threads {run['threads']}, {shown}")
+    return run
 
 
 def interleaved(order: Sequence[Sequence[Any]], schedule: Sequence[str], rounds: int) -> bool:
@@ -137,11 +231,18 @@ def complete_checkpoints(collected: dict) -> dict:
         for path in written
         if path not in on_disk or not on_disk[path]["metadata"] or on_disk[path]["missing"]
     )
-    loaded = [r["loaded"] for r in collected["removals"] if r["checkpoints"]]
+    removals = collected["removals"]
+    loaded = [r["loaded"] for r in removals if r["checkpoints"]]
+    loaded += [  # torch_checkpointing's newest, in every removal that held one of its own
+        r["loaded_torch_checkpointing"]
+        for r in removals
+        if any(c.get("library") == "torch_checkpointing" for c in r["checkpoints"].values())
+    ]
     return {
         "checkpoints": len(written),
         "saves": len(saves),
         "not_durable": sum(1 for s in saves if s["durable"] is None or s["error"]),
+        "manager_saves": written_by_manager(saves),
         "checked_on_disk": len(set(on_disk) & written),
         "incomplete": incomplete[:20],
         "read_back": len(loaded),
@@ -150,9 +251,14 @@ def complete_checkpoints(collected: dict) -> dict:
         "held": bool(written)
         and not incomplete
         and all(s["durable"] is not None and not s["error"] for s in saves)
-        and len(loaded) == len(collected["removals"])
+        and len(loaded) >= len(removals)
         and all(r and r["tensors"] > 0 and r["finite"] for r in loaded),
     }
+
+
+def written_by_manager(saves: Sequence[dict]) -> int:
+    """How many of the saves a torch_checkpointing manager made (``timing.checkpoint_saves``)."""
+    return sum(1 for save in saves if save.get("call") == "manager.save")
 
 
 def same_losses(collected: dict) -> dict:
@@ -218,7 +324,7 @@ def claim_complete(name: str, collected: dict) -> None:
         name,
         held,
         f"{evidence['checkpoints']} checkpoints: all durable, complete on disk, and the newest "
-        "of each round reads back",
+        "of each library in each round reads back",
         **evidence,
     )
 
@@ -261,8 +367,21 @@ def adam_checkpoint_bytes(make_model: Any) -> int:
 # --------------------------------------------------------------------------
 
 
+# Runs whose costs no interval changes (nothing to overlap: no checkpoint, or a save that
+# blocks until durable) checkpoint at one interval, which stands for every other.
+ANY_INTERVAL = (BASELINE, "dcp.save")
+
+
+def covers(run: dict, multiple: float) -> bool:
+    """Whether a run (one rank's) gives its numbers at the interval ``multiple``."""
+    return multiple in run["multiples"] or run["strategy"] in ANY_INTERVAL
+
+
 def _segment(run: dict, multiple: float) -> tuple[int, dict]:
-    index = list(run["multiples"]).index(multiple)
+    multiples = list(run["multiples"])
+    if multiple not in multiples and run["strategy"] in ANY_INTERVAL and len(multiples) == 1:
+        return 0, run["segments"][0]
+    index = multiples.index(multiple)  # ValueError: the run never checkpointed at that interval
     return index, run["segments"][index]
 
 
@@ -284,8 +403,9 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
         if overlapped
         else None,
         "overhead_s": wall - base_wall,
-        "extra_memory_mb": max(r["peak_memory_mb"] for r in run)
-        - max(r["peak_memory_mb"] for r in baseline),
+        "extra_memory_mb": None  # what it kept from earlier runs is not in its peak
+        if run[0].get("memory_kept")
+        else max(r["peak_memory_mb"] for r in run) - max(r["peak_memory_mb"] for r in baseline),
         "time_until_durable_s": max(
             r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run
         )
@@ -301,9 +421,12 @@ def summarize(
 ) -> dict[str, dict[str, dict | None]]:
     """Per run name and metric, at the interval ``multiple``: the median over the rounds
     with its spread and each round's value, and for an effect (``METRICS``) whether it is
-    within noise. None where a metric does not apply (no overlapped step, no checkpoint)."""
+    within noise. None where a metric does not apply (no overlapped step, no checkpoint).
+    Runs that did not checkpoint at that interval (``covers``) are left out."""
     summary = {}
     for name, rounds in runs.items():
+        if not covers(rounds[0][0], multiple):
+            continue
         baseline = runs[baseline_of(name)]
         per_round = [metrics(run, baseline[i], multiple) for i, run in enumerate(rounds)]
         summary[name] = {}
@@ -318,10 +441,15 @@ def summarize(
     return summary
 
 
-def sweep(runs: dict[str, list[list[dict]]], names: Sequence[str], multiples: Sequence[float]):
-    """Per swept run and interval: the steps between checkpoints, the interval over
-    dcp.save's time until durable and over the run's own (per round, then the median), and
-    the stall and total overhead with their spread and noise verdict."""
+def sweep(
+    runs: dict[str, list[list[dict]]],
+    names: Sequence[str],
+    multiples: Sequence[float] | None = None,
+):
+    """Per run and interval (``multiples``, else every interval the run checkpointed at):
+    the steps between checkpoints, the interval over dcp.save's time until durable and over
+    the run's own (per round, then the median), and the stall and total overhead with their
+    spread and noise verdict."""
     saves = [  # dcp.save's time until durable, per round (the same at every interval)
         metrics(run, runs[BASELINE][i], run[0]["multiples"][-1])["time_until_durable_s"]
         for i, run in enumerate(runs["dcp.save"])
@@ -329,7 +457,7 @@ def sweep(runs: dict[str, list[list[dict]]], names: Sequence[str], multiples: Se
     found = {}
     for name in names:
         found[name] = {}
-        for multiple in multiples:
+        for multiple in multiples or runs[name][0][0]["multiples"]:
             per_round = [
                 metrics(run, runs[baseline_of(name)][i], multiple)
                 for i, run in enumerate(runs[name])
@@ -346,6 +474,16 @@ def sweep(runs: dict[str, list[list[dict]]], names: Sequence[str], multiples: Se
                 "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
             }
     return found
+
+
+def at_interval(found_sweep: dict, multiple: float) -> dict[str, dict]:
+    """The sweep's entries at one interval, by run name, shaped as ``summarize``'s: each has
+    ``stall_per_checkpoint_s`` and ``overhead_s``."""
+    return {
+        name: intervals[str(multiple)]
+        for name, intervals in found_sweep.items()
+        if str(multiple) in intervals
+    }
 
 
 def _median(summary: dict, name: str, metric: str) -> float:
@@ -410,7 +548,8 @@ def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = 
     found = {}
     for metric, when in criteria.items():
         heading, _, unit, _ = METRICS[metric]
-        best, second = sorted(strategies, key=lambda n: _median(summary, n, metric))[:2]
+        measured = [name for name in strategies if summary[name][metric] is not None]
+        best, second = sorted(measured, key=lambda n: _median(summary, n, metric))[:2]
         said, diff = stats.verdict(
             best,
             summary[best][metric]["values"],
@@ -495,17 +634,21 @@ def ratios_table(found: dict, copy_seconds: float) -> figures.Table:
 
 
 def goals_table(found: dict) -> figures.Table:
+    """One row per strategy and goal (``found``: strategy -> ``goals(...)``)."""
     verdict = {True: "met", False: "not met", None: "cannot tell: within noise"}
     rows = [
         [
+            name,
             f"{g['heading']} <= {g['goal']}x dcp.save's",
             round(g["ratio"], 3),
             verdict[g["met"]],
             g["said"],
         ]
-        for g in found.values()
+        for name, found_goals in found.items()
+        for g in found_goals.values()
     ]
-    return figures.Table(["goal", "measured ratio", "verdict", "from the rounds"], rows)
+    columns = ["strategy", "goal", "measured ratio", "verdict", "from the rounds"]
+    return figures.Table(columns, rows)
 
 
 def advice_table(found: dict) -> figures.Table:
@@ -631,11 +774,15 @@ def first_checkpoints(collected: dict, names: Sequence[str]) -> dict[str, float]
 
 
 def first_checkpoints_table(collected: dict, names: Sequence[str]) -> figures.Table:
+    """Each strategy's first checkpoint, and the peak host memory of that run above its start
+    on the highest rank (with every process it started)."""
+    peaks = {name: max(r["peak_memory_mb"] for r in collected["warmup"][name]) for name in names}
     rows = [
-        [name, f"{seconds:.3g} s"] for name, seconds in first_checkpoints(collected, names).items()
+        [name, f"{seconds:.3g} s", f"{peaks[name]:+.0f} MB"]
+        for name, seconds in first_checkpoints(collected, names).items()
     ]
     return figures.Table(
-        ["strategy", "first checkpoint, until durable"],
+        ["strategy", "first checkpoint, until durable", "peak host memory above the start"],
         rows,
         caption="the warm-up round: it starts what a strategy starts once (host buffer, process)",
     )
@@ -645,6 +792,7 @@ def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: fl
     """The page's headline numbers: ``strategy``'s stall and total overhead over dcp.save's,
     the goals, and ``numbers`` (the thread budget, the size)."""
     return {
+        "strategy": strategy,
         "stall_vs_dcp_save": found_ratios[strategy]["stall_vs_dcp_save"],
         "overhead_vs_dcp_save": found_ratios[strategy]["overhead_vs_dcp_save"],
         "stall_goal": found_goals["stall_per_checkpoint_s"]["goal"],
@@ -757,7 +905,7 @@ def summary_line(recipe: str, headline: dict, found_goals: dict) -> str:
     verdict = {True: "met", False: "not met", None: "within noise"}
     stall, overhead = found_goals["stall_per_checkpoint_s"], found_goals["overhead_s"]
     return (
-        f"{recipe}: DefaultStager stall {headline['stall_vs_dcp_save']:.3f}x dcp.save's "
+        f"{recipe}: {headline['strategy']} stall {headline['stall_vs_dcp_save']:.3f}x dcp.save's "
         f"(goal <= {stall['goal']}x: {verdict[stall['met']]}), total overhead "
         f"{headline['overhead_vs_dcp_save']:.2f}x (goal <= {overhead['goal']}x: "
         f"{verdict[overhead['met']]})"

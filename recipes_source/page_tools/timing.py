@@ -1073,12 +1073,16 @@ def _checkpoint_id(kwargs: dict) -> str | None:
 
 
 @contextlib.contextmanager
-def checkpoint_saves(dcp: Any) -> Iterator[observe.Calls]:
-    """Record every ``dcp.save`` and ``dcp.async_save`` made inside the block, by rank.
+def checkpoint_saves(dcp: Any, manager_class: Any = None) -> Iterator[observe.Calls]:
+    """Record every ``dcp.save`` and ``dcp.async_save`` made inside the block, by rank, and
+    every ``save(checkpoint_id, payload)`` of ``manager_class`` (torch_checkpointing's
+    ``CheckpointManager``: it returns the write's future, or None where it wrote already).
 
     Each record: ``{"call", "checkpoint_id", "called", "returned", "durable", "error"}``
     (seconds of ``time.perf_counter``; ``error`` is the exception a failed save raised, as
-    text, else None). A record comes back once its checkpoint is durable (or failed).
+    text, else None). A record comes back once its checkpoint is durable (or failed): for
+    the manager, once the future its save returned is done (torch_checkpointing 0.1.1's own
+    is done once the bytes are written: it never calls ``fsync``).
     """
     save, async_save = dcp.save, dcp.async_save
 
@@ -1106,20 +1110,35 @@ def checkpoint_saves(dcp: Any) -> Iterator[observe.Calls]:
                 "called": called,
                 "returned": time.perf_counter(),
             }
-            upload = getattr(response, "upload_completion", response)
+            when_durable(getattr(response, "upload_completion", response), record)
+            return response
 
+        def when_durable(upload: Any, record: dict) -> None:
             def durable(future: Any) -> None:
                 error = future.exception()
                 now = None if error is not None else time.perf_counter()
                 put({**record, "durable": now, "error": None if error is None else repr(error)})
 
             upload.add_done_callback(durable)
-            return response
 
-        with (
-            observe.replaced(dcp, "save", timed_save),
-            observe.replaced(dcp, "async_save", timed_async_save),
-        ):
+        def timed_manager_save(manager: Any, checkpoint_id: Any, *args: Any, **kwargs: Any) -> Any:
+            record = {"call": "manager.save", "checkpoint_id": os.fspath(checkpoint_id)}
+            record["called"] = time.perf_counter()
+            write = manager_save(manager, checkpoint_id, *args, **kwargs)
+            record["returned"] = time.perf_counter()
+            if write is None:  # a synchronous manager: written before it returned
+                put({**record, "durable": record["returned"], "error": None})
+            else:
+                when_durable(write, record)
+            return write
+
+        with contextlib.ExitStack() as watches:
+            watches.enter_context(observe.replaced(dcp, "save", timed_save))
+            watches.enter_context(observe.replaced(dcp, "async_save", timed_async_save))
+            if manager_class is not None:
+                manager_save = watches.enter_context(
+                    observe.replaced(manager_class, "save", timed_manager_save)
+                )
             yield saves
 
 
