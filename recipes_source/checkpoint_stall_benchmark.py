@@ -5,7 +5,7 @@ How much does checkpointing stall training?
 A checkpoint costs a training job the time the loop waits for it (the
 *stall*), the speed steps lose while it is written in the background, and the
 host memory that holds a copy. This recipe trains one model with each saving
-strategy, at checkpoint intervals from half to twice a save's time, next to
+strategy, at checkpoint intervals from half to four times a save's time, next to
 the machine's limits: how fast it copies memory and writes to disk. Every
 number is a median over rounds in which the strategies take turns, with its
 spread; a difference smaller than its spread is noise, never advice.
@@ -15,14 +15,11 @@ spread; a difference smaller than its spread is noise, never advice.
     .. grid-item-card:: :octicon:`mortar-board;1em;` What you will learn
        :class-card: card-prerequisites
 
-       * Five ways of saving from one training loop: ``dcp.save``,
-         ``async_save``, ``DefaultStager`` overlap, DCP's checkpoint process and
-         torch_checkpointing's ``CheckpointManager``
-       * Time the stall per checkpoint in the loop itself, over a warm-up
-         round and rounds in which the strategies take turns
+       * Five ways of saving from one loop: ``dcp.save``, ``async_save``,
+         ``DefaultStager`` overlap, DCP's checkpoint process, torch_checkpointing
+       * Time the stall in the loop itself, in rounds where strategies take turns
        * Pick the checkpoint interval from two measured numbers
-       * Tell an effect from noise: the median next to its spread
-       * Budget CPU threads between training and the background writer
+       * Tell an effect from noise; budget CPU threads for the background writer
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -39,10 +36,10 @@ spread; a difference smaller than its spread is noise, never advice.
 # A small model, to build in seconds; ``make bench``: 1 GB, under ``torchrun``.
 
 import functools
-import glob
 import math
 import os
 import shutil
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from page_tools import disk, figures, machine, memory, processes, results, stalls, timing
-from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir, under_torchrun
+from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -144,17 +141,15 @@ def build_sharded_model(seed):
 # * ``dcp.save`` writes from the training tensors, and returns once they are on
 #   disk. ``async_save`` copies the state into fresh host memory, then writes
 #   that copy in a thread (a reused stager: :ref:`sphx_glr_recipes_async_save_recipe.py`).
-# * ``DefaultStager overlap`` copies in the background, during the next
-#   forward and backward pass; the loop waits for it before ``optimizer.step()``
-#   changes the weights (safe: this model's forward pass changes no tensor of
-#   the state dict; :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
+# * ``DefaultStager overlap`` copies during the next forward and backward pass,
+#   and the loop waits for it before ``optimizer.step()`` (safe: this forward
+#   pass changes no tensor of the state: :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
 # * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in DCP's own
 #   process, free of this one's GIL, from the shared memory the stager fills.
-# * ``torch_checkpointing``'s ``CheckpointManager`` stages in the background into
-#   shared memory too, and writes in a process of its own; ``lock()`` holds
-#   ``optimizer.step()`` until staging is done. Set up for CPU hosts as its
-#   troubleshooting guide says, without direct I/O (ext4 fails its writes). It
-#   never calls ``fsync``: here a thread syncs its files after each write.
+# * ``torch_checkpointing``'s ``CheckpointManager`` stages into shared memory in
+#   the background too and writes in its own process; ``lock()`` holds
+#   ``optimizer.step()`` until staging is done. CPU settings from its guide, no
+#   direct I/O (ext4 fails it); it never calls ``fsync``: a thread here does.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager``, ``StagingOptions`` and the ``AsyncSaveResponse`` that
@@ -164,14 +159,12 @@ STRATEGIES = ("no checkpoint", "dcp.save", "async_save", "DefaultStager overlap"
 STRATEGIES += ("process writer", "torch_checkpointing")
 
 
-def staging_options(use_async_staging, checkpoint_process=False):
-    """How every save on this page stages its copy, chosen from the machine."""
+def staging_options(checkpoint_process=False):
+    """In the background; page-locked memory and non-blocking copies only on a GPU (they only
+    speed up copies from a device); shared memory only for a checkpoint process to map."""
     on_gpu = torch.accelerator.is_available()
     return StagingOptions(
-        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
-        use_shared_memory=checkpoint_process,  # only a checkpoint *process* reads it in place
-        use_async_staging=use_async_staging,
-        use_non_blocking_copy=on_gpu,
+        use_pinned_memory=on_gpu, use_shared_memory=checkpoint_process, use_non_blocking_copy=on_gpu
     )
 
 
@@ -185,13 +178,18 @@ class DurableCheckpointManager(CheckpointManager):
     def save(self, checkpoint_id, checkpoint):
         return self.syncing.submit(synced, super().save(checkpoint_id, checkpoint), checkpoint_id)
 
+    def result(self):  # the loop waits for its staging as for a future: until the lock is free
+        with self.lock():
+            pass
+
 
 def synced(write, directory):
     """Rank 0, once its write is done (every rank's files, renamed): fsync files and dirs."""
     write.result()
-    syncs = [*glob.glob(f"{directory}/*"), directory, os.path.dirname(directory)]
-    for path in syncs if dist.get_rank() == 0 else []:  # one machine: its page cache
-        fd = os.open(path, os.O_RDONLY)
+    if dist.get_rank() != 0:  # one machine: rank 0 syncs every rank's files
+        return
+    for name in [*os.listdir(directory), ".", ".."]:  # the files, the directory, its parent
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
 
@@ -210,9 +208,9 @@ def new_stager(strategy):
     if strategy == "torch_checkpointing":
         return checkpoint_manager()
     if strategy == "DefaultStager overlap":
-        return DefaultStager(staging_options(use_async_staging=True))
+        return DefaultStager(staging_options())
     if strategy == "process writer":
-        return DefaultStager(staging_options(use_async_staging=True, checkpoint_process=True))
+        return DefaultStager(staging_options(checkpoint_process=True))
     return None
 
 
@@ -230,7 +228,7 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
         return None, dcp.async_save(state_dict, checkpoint_id=path, process_group=group)
     if strategy == "torch_checkpointing":  # staged once its lock is free
         state = {key: value.state_dict() for key, value in state_dict.items()}
-        return StagingLock(stager), stager.save(path, state)
+        return stager, stager.save(path, state)  # staging: until its lock is free
     writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # host copy: no GPU 0 context
     in_process = strategy == "process writer"
     checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
@@ -244,23 +242,13 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
     return response.staging_completion, response.upload_completion
 
 
-class StagingLock:  # torch_checkpointing's staging, as a future: done once its lock is free
-    def __init__(self, manager):
-        self.manager = manager
-
-    def result(self):
-        with self.manager.lock():
-            pass
-
-
 # %%
 # Time what the loop waits for
 # ----------------------------
 # ``time.perf_counter()`` around every call that may wait for a checkpoint (the
-# save call, staging before ``optimizer.step()``, the upload) gives the
-# *stall*; a step's time is the rest of the step (on a GPU, up to a
-# synchronisation). A stager allocates its host buffer on its first save: each
-# run stages once before its loop, before the first timed save.
+# save, staging before ``optimizer.step()``, the upload) gives the *stall*; a
+# step's time is the rest. A stager allocates its host buffer on its first
+# save: each run stages once before its loop.
 
 
 def waited(future):
@@ -290,7 +278,8 @@ def fill_host_buffer(stager, state_dict):
 
 # %%
 # Each rank builds the model once and takes one step: Adam creates its state
-# then, and every checkpoint holds the same tensors.
+# then, and every checkpoint holds the same tensors. Every run starts from a
+# copy of that state, put back in place: every run computes the same losses.
 
 
 def set_up_training():
@@ -302,16 +291,28 @@ def set_up_training():
     return model, optimizer, batch
 
 
+def starting_point(model, optimizer):
+    """Keep a copy of the weights and the optimizer's state; returns what puts it back."""
+    tensors = list(model.parameters())
+    tensors += [value for state in optimizer.state.values() for value in state.values()]
+    saved = [tensor.detach().clone() for tensor in tensors]
+
+    def restore():
+        with torch.no_grad():
+            for tensor, copy in zip(tensors, saved, strict=True):
+                tensor.copy_(copy)
+
+    return restore
+
+
 # %%
 # How often to checkpoint
 # -----------------------
-# A background save is free only if the next checkpoint comes after it is on
-# disk, and a background upload takes longer than ``dcp.save`` (it shares the
-# machine with training). Two measured numbers pick the interval: a save's
-# time (``dcp.save``'s, alone) and a step's, both from the warm-up round.
-# ``DefaultStager overlap`` checkpoints at 0.5, 1, 2 and 4 times a save's time,
-# the others at 4 (the headline: at least twice a background upload, see the
-# sweep); ``dcp.save`` costs the same at any interval and runs at 0.5.
+# A background save is free only if the next one starts after it is on disk,
+# and an upload that shares the machine with training takes longer than
+# ``dcp.save``. Two measured numbers pick the interval: a save's time and a
+# step's. ``DefaultStager overlap`` checkpoints at 0.5, 1, 2 and 4 times a save's
+# time, the others at 4, the headline (``dcp.save``, the same at any, at 0.5).
 
 MULTIPLES = (0.5, 1, 2, 4)  # checkpoint intervals, in multiples of a save's time
 HEADLINE_MULTIPLE = 4
@@ -385,12 +386,7 @@ def cores_per_rank():
     return (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def training_threads():
-    """Threads each rank trains with: every core it has but one, which the writer gets."""
-    return max(1, cores_per_rank() - 1)
-
-
-THREADS = training_threads() if under_torchrun() else 1  # forked ranks keep their one thread
+THREADS = max(1, cores_per_rank() - 1) if under_torchrun() else 1  # forked ranks: one thread
 SCHEDULE = [(strategy, THREADS) for strategy in STRATEGIES]
 if under_torchrun() and cores_per_rank() > THREADS:  # the knob: every core for training
     SCHEDULE += [("no checkpoint", cores_per_rank()), ("DefaultStager overlap", cores_per_rank())]
@@ -399,10 +395,9 @@ print(f"{len(SCHEDULE)} runs per round; training threads per rank: {THREADS}")
 # %%
 # The machine's limits
 # --------------------
-# No strategy stages faster than the machine copies memory, or makes a
-# checkpoint durable faster than the disk writes and syncs it. On every rank at
-# once, for its share: a copy into a reused buffer, into new pages, and a write
-# plus ``fsync``; a save waits for its slowest rank, whose speeds these are.
+# No strategy stages faster than the machine copies memory, or saves faster than
+# the disk writes and syncs. Every rank at once, its share: a copy into a reused
+# buffer, into new pages, a write plus ``fsync``; the slowest rank's speeds.
 
 CHECKPOINT_BYTES = stalls.adam_checkpoint_bytes(ToyModel)
 SPEEDS = run_on_ranks(disk.copy_and_write_speeds, CHECKPOINT_BYTES, CHECKPOINT_ROOT, THREADS)
@@ -420,20 +415,53 @@ stalls.limits_table(LIMITS)
 # from the state after the first step (``page_tools.stalls`` puts it back).
 
 
+def measured_intervals(warm_up):
+    """Steps per multiple, from the warm-up's dcp.save and its median step without one."""
+    first = {r["strategy"]: r["segments"][0] for r in warm_up if r["threads"] == THREADS}
+    step_s = statistics.median(t for t, _ in first["no checkpoint"]["steps"])
+    both = torch.tensor([first["dcp.save"]["stall_s"], step_s], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
+    save_s, step_s = both.tolist()
+    if dist.get_rank() == 0:
+        print(f"a save takes {save_s:.3g} s, a step {step_s:.3g} s")
+    return {multiple: steps_between_checkpoints(save_s, step_s, multiple) for multiple in MULTIPLES}
+
+
+def outcome(run):  # its stall at its last interval and loss; in the warm-up, its first save
+    stall, losses = run["segments"][-1]["stall_s"], run["losses"]
+    shown = f"stall {stall:.3f} s, loss {losses[-1]:.6g}" if losses else f"first save {stall:.3f} s"
+    return f"{run['strategy']:<26} threads {run['threads']}, {shown}"
+
+
 def benchmark(schedule, rounds):
-    """One model per rank; every run from the state it had after its first step."""
+    """Round 0 warms up, then every run of ``schedule`` once per round, in the same order."""
     model, optimizer, batch = set_up_training()
-    training = (model, optimizer, batch, stalls.starting_point(model, optimizer))
-    how = (train_with_checkpoints, intervals_of, steps_between_checkpoints)
-    runs = stalls.take_turns(schedule, rounds, CHECKPOINT_ROOT, training, *how)
+    training = (model, optimizer, batch, starting_point(model, optimizer))
+    runs, intervals = [], {}
+    for number in range(rounds + 1):
+        directory = os.path.join(CHECKPOINT_ROOT, f"round-{number}")
+        for strategy, threads in schedule:
+            multiples = intervals_of(strategy, threads) if number else (None,)
+            warm_up = 0 if strategy != "no checkpoint" else 3  # a first checkpoint; or 3 steps
+            between = [intervals.get(multiple, warm_up) for multiple in multiples]
+            name = f"{directory}/{strategy.replace(' ', '-')}-{threads}-threads"
+            paths = [f"{name}-{i}" for i in range(len(between))]
+            run = train_with_checkpoints(strategy, threads, paths, between, training)
+            run.update(round=number, strategy=strategy, threads=threads, multiples=multiples)
+            runs.append(run)
+            if dist.get_rank() == 0:
+                print(f"{f'round {number}' if number else 'warm-up':<8} {outcome(run)}")
+        intervals = intervals or measured_intervals(runs)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)  # the disk is the next round's
     checkpoint_manager().close()  # waits for its last write, stops its writer process
     return runs
 
 
 # %%
-# The page watches when each checkpoint becomes durable, each run's peak host
-# memory (with its writer processes', every 10 ms), and each checkpoint rank 0
-# removes, just before it goes; it keeps the writer processes' logs in a file.
+# The page watches when each checkpoint becomes durable, each run's peak memory
+# (with its writer processes'), and each checkpoint rank 0 removes, before it goes.
 
 with (
     processes.stderr_of_started_processes(os.path.join(WORK_DIR, "logs")),
@@ -446,9 +474,8 @@ with (
 
 # %%
 # What the runs prove: they took turns; every checkpoint was durable and
-# complete; no strategy changed what the loop computes; the loop's timers saw
-# every blocking save. Then each strategy's first checkpoint, and the memory it
-# took (torch_checkpointing's manager keeps it: later runs cannot see it).
+# complete; no strategy changed the losses; the timers saw every blocking save.
+# Then each first checkpoint and its memory (torch_checkpointing keeps it).
 
 KEPT = ("torch_checkpointing",)
 RUNS = results.record("runs", stalls.collect(per_rank, saves, peaks, removals, THREADS, KEPT))
@@ -463,19 +490,17 @@ stalls.first_checkpoints_table(RUNS, STRATEGIES[1:])
 # %%
 # The numbers, with their spread
 # ------------------------------
-# At the headline interval, the slowest rank's stall and time until durable:
-# the median over the rounds [lowest .. highest]. A stall smaller than that
-# spread is *within noise*: this run cannot tell it from zero.
+# At the headline interval, the slowest rank's stall and time until durable,
+# median [lowest .. highest]: a stall below that spread is *within noise*.
 
 SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULTIPLE))
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
 # %%
 # What a checkpoint costs training, against the round's run without one: the
-# median step that overlapped a save over its median step; the interval's
-# wall time minus as many of its steps; peak host memory minus its (not for
-# torch_checkpointing: above). An effect below its spread, or below zero, is
-# *within noise*.
+# median step that overlapped a save over its median step; the interval's wall
+# time minus as many of its steps; peak host memory (not torch_checkpointing's:
+# above) minus its. An effect below its spread, or below zero, is noise.
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -490,10 +515,9 @@ RATIOS = results.record("ratios", stalls.ratios(SUMMARY, STRATEGIES[1:], LIMITS[
 stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
 # %%
-# The goals at ``make bench`` size (1 GB), for each background strategy: a stall
-# of at most 0.02x ``dcp.save``'s and a total overhead of at most 0.05x, met
-# where the rounds are below by more than their spread (at this page's size,
-# fixed costs weigh more). The headline: the lowest total overhead.
+# The goals at ``make bench`` size (1 GB), per background strategy: a stall of at
+# most 0.02x ``dcp.save``'s, a total overhead of at most 0.05x, met where the
+# rounds are below by more than their spread. Headline: the lowest overhead.
 
 BACKGROUND = ("DefaultStager overlap", "process writer", "torch_checkpointing")
 TARGETS = {"stall_per_checkpoint_s": 0.02, "overhead_s": 0.05}
@@ -517,15 +541,12 @@ figures.save_beside(FIGURE, results.results_path())  # make bench: beside the re
 # %%
 # The interval, swept
 # -------------------
-# ``DefaultStager overlap`` at every interval (and, under ``torchrun``, with
-# every core for training, at 2x), over ``dcp.save``'s time and over its own
-# upload's; shorter than the upload, the loop waits for it. Pick yours as the
-# benchmark did: time ``dcp.save`` and a step, then checkpoint every
-# ``steps_between_checkpoints(save_s, step_s)`` steps.
+# ``DefaultStager overlap`` at every interval (under ``torchrun``, with every
+# core for training at 2x too), over ``dcp.save``'s time and over its own
+# upload's. Pick yours: ``steps_between_checkpoints(save_s, step_s)``.
 
 KNOB_RUN = stalls.label("DefaultStager overlap", cores_per_rank(), THREADS)  # where it ran
-SWEPT_RUNS = [name for name in dict.fromkeys((*SWEPT, KNOB_RUN)) if name in RUNS["runs"]]
-SWEEP = results.record("sweep", stalls.sweep(RUNS["runs"], SWEPT_RUNS))
+SWEEP = results.record("sweep", stalls.sweep(RUNS["runs"], [*SWEPT, KNOB_RUN]))
 SWEEP_FIGURE = stalls.sweep_figure(SWEEP, LIMITS, f"{ROUNDS} rounds")
 figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
 stalls.sweep_table(SWEEP)
@@ -544,44 +565,19 @@ stalls.thread_budget_table(AT_2X, KNOB, "DefaultStager overlap", len(per_rank), 
 # %%
 # When to choose which
 # --------------------
-# Written from the numbers above. A strategy leads only if its median beats
-# the next best by more than the larger spread; a smaller lead is no advice.
-# Rerun the page, or ``make bench``, on your hardware.
+# From the numbers above: a strategy leads only if its median beats the next by
+# more than the larger spread. Rerun the page, or ``make bench``, on yours.
 
 ADVICE = results.record("advice", stalls.advice(SUMMARY, STRATEGIES[1:]))
 stalls.advice_table(ADVICE)
 
 # %%
-# The same, as a training script for ``torchrun``
-# -----------------------------------------------
-# In your job ``torchrun`` starts the ranks, and ``main()`` does what
-# ``run_on_ranks`` did: set the device, create the group, run the loop, destroy
-# the group, in a directory every rank sees (a shared file system on several
-# machines). Save it as ``train.py`` with the functions above, and:
-#
-# .. code-block:: bash
-#
-#    torchrun --nproc-per-node=2 train.py
-#
-# The cell runs ``main()`` as ``torchrun`` would: its environment, no group yet.
-
-
-def main(checkpoint_dir, strategy="DefaultStager overlap", every=2):
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        training = (*set_up_training(), lambda: None)  # one run: nothing to restore
-        paths = [f"{checkpoint_dir}/checkpoint-{n}" for n in range(2)]
-        run = train_with_checkpoints(strategy, training_threads(), paths, [every] * 2, training)
-        stall, loss = max(s["stall_s"] for s in run["segments"]), run["losses"][-1]
-        print(f"{strategy}: stall {stall:.3f} s per checkpoint at most, loss {loss:.6g}")
-        dist.barrier()  # no rank tears gloo down while another one still sends
-    finally:
-        dist.destroy_process_group()
-
-
-run_as_torchrun(main, os.path.join(WORK_DIR, "torchrun"))
+# The same under ``torchrun``
+# ---------------------------
+# This file runs as it is under ``torchrun`` (``run_on_ranks`` then runs on
+# its ranks, and the thread knob where a core is left): ``make bench`` runs
+# ``DCP_RECIPES_BENCH=1 torchrun --nproc-per-node=1 checkpoint_stall_benchmark.py``.
+# In your job, call ``train_with_checkpoints`` from your ``main()``.
 
 # %%
 # Clean up

@@ -5,9 +5,9 @@ Fast saves and loads: the knobs, measured
 "Why is my save so slow?" has an answer only next to the machine's own limits.
 This recipe measures how fast this machine writes, syncs and reads a
 checkpoint's raw bytes, then times ``dcp.save`` and ``dcp.load`` with every
-``FileSystemWriter`` and planner knob, each as a fraction of those limits; it
-saves a replicated (DDP) model with and without deduplication to the lowest
-rank, and follows host memory over 20 saves with three strategies.
+``FileSystemWriter`` and planner knob, in safetensors, read in place, and with
+torch_checkpointing, each as a fraction of those limits; it saves a replicated
+(DDP) model, and follows host memory over 20 saves with three strategies.
 
 .. grid:: 2
 
@@ -15,8 +15,9 @@ rank, and follows host memory over 20 saves with three strategies.
        :class-card: card-prerequisites
 
        * Time ``dcp.save`` and loads from storage and from the page cache
-       * What ``thread_count``, ``single_file_per_rank``, ``sync_files`` and
-         ``enable_plan_caching`` buy, against write + ``fsync`` and read limits
+       * What ``thread_count``, ``single_file_per_rank``, ``sync_files``,
+         ``enable_plan_caching`` and safetensors buy, against the disk's limits
+       * A ``StorageReader`` that reads each tensor straight into the model's
        * Who writes replicated tensors, with ``dedup_save_to_lowest_rank``
        * Whether host memory grows over 20 saves, with three strategies
 
@@ -32,12 +33,11 @@ rank, and follows host memory over 20 saves with three strategies.
 # %%
 # Setup
 # -----
-# ``SIZE_MB`` is the checkpoint's size (all ranks together), small here so
-# that the page runs in seconds (use your own checkpoint's), and ``REPEATS``
-# how often each measurement is repeated. Each round runs every variant once,
-# in turn (A B C ... A B C ...), after a warm-up round that is not counted.
+# ``SIZE_MB``: the checkpoint's size, all ranks together (use yours); ``REPEATS``:
+# rounds, each variant once in turn (A B C ... A B C ...), after a warm-up round.
 
 import gc
+import json
 import os
 import shutil
 import time
@@ -47,13 +47,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import disk, figures, machine, memory, proofs, reads, results, stats, timing
+from page_tools import disk, figures, machine, memory, proofs, reads, results, speeds, stats, timing
 from rank_launcher import run_as_torchrun, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch_checkpointing import CheckpointManager, SyncCheckpointSaverConfig
+from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
 BENCH = os.environ.get("DCP_RECIPES_BENCH") == "1"
 SIZE_MB = float(os.environ.get("DCP_RECIPES_SPEED_MB", "512" if BENCH else "32"))
@@ -79,7 +82,7 @@ def model_shape(size_mb):
 
 WIDTH, DEPTH = model_shape(SIZE_MB)
 LR = 1e-2
-SECTION_SHAPE = model_shape(min(SIZE_MB, 128))  # for replicas and 20 saves: 128 MB at most
+SECTION_SHAPE = model_shape(min(SIZE_MB, 64))  # for replicas and 20 saves: 64 MB at most
 
 
 class ToyModel(nn.Module):
@@ -138,13 +141,11 @@ disk.table(LIMITS)
 # Each row changes one thing from the defaults (``thread_count=1``,
 # ``single_file_per_rank=True``, ``sync_files=True``, no plan caching):
 # ``thread_count`` writer threads per rank, one file each;
-# ``single_file_per_rank=False``, one file per tensor; ``sync_files=False``,
-# no ``fsync``: the save returns once the bytes are in the page cache, and
-# after a crash of the machine the checkpoint can *look* complete (its
-# ``.metadata`` on disk) with data missing (it shows what ``fsync`` costs);
-# ``DefaultSavePlanner(enable_plan_caching=True)``: when the
-# state dict has the structure it had at the previous save, ranks skip sending
-# their plans and the coordinator reuses the global plan (cached on the class).
+# ``single_file_per_rank=False``, one file per tensor; ``sync_files=False``, no
+# ``fsync`` (after a crash of the machine the checkpoint can *look* complete
+# with data missing: it shows what ``fsync`` costs); and
+# ``DefaultSavePlanner(enable_plan_caching=True)``: a save whose state dict has
+# the previous save's structure reuses its global plan.
 
 SAVE_OPTIONS = {
     "defaults": {},
@@ -153,27 +154,114 @@ SAVE_OPTIONS = {
     "single_file_per_rank=False": {"single_file_per_rank": False},
     "sync_files=False": {"sync_files": False},
     "enable_plan_caching=True": {"enable_plan_caching": True},
+    "safetensors": {"format": "safetensors"},
+    "safetensors, read in place": {"format": "safetensors", "in_place": True},
+    "torch_checkpointing": {"format": "torch_checkpointing"},
 }
 NO_FSYNC = "sync_files=False"  # not durable: never the fastest save
 
 
-def save(model, checkpoint_dir, enable_plan_caching=False, **writer_options):
-    writer = FileSystemWriter(checkpoint_dir, **writer_options)
+def save(model, checkpoint_dir, enable_plan_caching=False, format="torch.save", **options):
+    if format == "torch_checkpointing":
+        return save_with_torch_checkpointing(model, checkpoint_dir)
+    if format == "safetensors":  # each rank writes its own shards, then fsync
+        writer = dcp.HuggingFaceStorageWriter(checkpoint_dir, save_distributed=True)
+    else:
+        writer = FileSystemWriter(checkpoint_dir, **options)
     planner = DefaultSavePlanner(enable_plan_caching=enable_plan_caching)
     dcp.save({"model": model.state_dict()}, storage_writer=writer, planner=planner)
 
 
-def load(model, checkpoint_dir):
+def load(model, checkpoint_dir, format="torch.save", in_place=False, **save_options):
+    if format == "torch_checkpointing":
+        return load_with_torch_checkpointing(model, checkpoint_dir)
+    reader = {"safetensors": dcp.HuggingFaceStorageReader, "torch.save": dcp.FileSystemReader}
+    reader = InPlaceSafetensorsReader if in_place else reader[format]
     state_dict = {"model": model.state_dict()}
-    dcp.load(state_dict, checkpoint_id=checkpoint_dir)  # in place, into the model's shards
+    dcp.load(state_dict, storage_reader=reader(checkpoint_dir))  # into the model's shards
     model.load_state_dict(state_dict["model"])
+
+
+# %%
+# Three rows change the format. ``HuggingFaceStorageWriter`` writes safetensors:
+# raw bytes after a JSON header, where ``torch.save`` wraps each tensor in a zip
+# record that ``torch.load`` reads into a new tensor, which DCP copies into yours.
+# ``HuggingFaceStorageReader`` maps the file and copies each tensor once; the
+# reader below reads each into its target (if that is all the file holds).
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class InPlaceSafetensorsReader(dcp.HuggingFaceStorageReader):
+    def read_data(self, plan, planner):
+        by_file, rest = {}, []
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for path, items in by_file.items():
+            with open(path, "rb", buffering=0) as file:
+                header_bytes = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(header_bytes))
+                items.sort(key=lambda item: header[item.storage_index.fqn]["data_offsets"])
+                for item in items:  # in the file's order: the kernel reads ahead
+                    entry = header[item.storage_index.fqn]
+                    target = planner.resolve_tensor(item).detach()
+                    whole = list(item.lengths) == entry["shape"] == list(target.shape)
+                    if not (whole and fits(target, SAFETENSORS_DTYPES.get(entry["dtype"]))):
+                        rest.append(item)
+                        continue
+                    file.seek(8 + header_bytes + entry["data_offsets"][0])
+                    buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                    while buffer:  # a read may return fewer bytes than asked for
+                        buffer = buffer[file.readinto(buffer) :]
+                    planner.commit_tensor(item, target)
+        return super().read_data(LoadPlan(rest), planner)
+
+
+def fits(target, dtype):  # whether the file's bytes can go straight into target's memory
+    return target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
+
+
+# %%
+# torch_checkpointing writes a ``torch.save`` file per item and rank, and never
+# calls ``fsync``: rank 0 (its save returns once every rank's file is in the
+# renamed directory) syncs them here. No direct I/O: ext4 fails its writes.
+
+
+def torch_checkpointing_manager():
+    storage = LocalFileSystemStorageConfig(use_direct_io=False)
+    config = CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=storage)
+    return CheckpointManager(config)  # synchronous: it writes in the save call
+
+
+def save_with_torch_checkpointing(model, checkpoint_dir):
+    manager = torch_checkpointing_manager()
+    manager.save(checkpoint_dir, {"model": model.state_dict()})
+    manager.close()
+    if dist.get_rank() == 0:
+        sync_files(checkpoint_dir)
+
+
+def sync_files(directory, drop=False):
+    """``fsync`` each file, the directory and its parent; with ``drop``, also drop the files
+    from the page cache (once synced: dirty pages cannot be dropped), for a cold read."""
+    for name in [*os.listdir(directory), ".", ".."]:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        os.fsync(fd)
+        if drop and name not in (".", ".."):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def load_with_torch_checkpointing(model, checkpoint_dir):
+    manager = torch_checkpointing_manager()
+    manager.load(checkpoint_dir, into={"model": model.state_dict()})  # into the model's shards
+    manager.close()
 
 
 # %%
 # A save or a load is a collective, done when its slowest rank is: all ranks
 # start the clock together, and the slowest rank's time counts. A *cold* load
-# reads files dropped from the page cache (``fsync`` first: dirty pages cannot
-# be dropped); a *warm* load reads them again, from the page cache.
+# reads files dropped from the page cache, a *warm* one reads them again.
 
 
 def timed(collective, *args, **kwargs):
@@ -186,14 +274,6 @@ def timed(collective, *args, **kwargs):
     seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
-
-
-def drop_from_page_cache(checkpoint_dir):
-    for name in os.listdir(checkpoint_dir):
-        fd = os.open(os.path.join(checkpoint_dir, name), os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the next read goes to storage
-        os.close(fd)
 
 
 # %%
@@ -210,19 +290,20 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
         print(f"{'round':<7}{'GB/s':<27}" + "".join(f"{h:>11}" for h in ("save", "cold", "warm")))
     for round_number in range(repeats + 1):  # round 0 also fills the plan cache
         for name, options in knobs.items():
-            path = os.path.join(checkpoint_root, f"round{round_number}", name.replace("=", "-"))
+            folder = name.replace("=", "-").replace(", ", "-").replace(" ", "-")
+            path = os.path.join(checkpoint_root, f"round{round_number}", folder)
             seconds = [timed(save, model, path, **options)]
             if dist.get_rank() == 0:
-                drop_from_page_cache(path)
-            seconds += [timed(load, model, path), timed(load, model, path)]  # cold, then warm
-            speeds = [total_bytes / s / 1e9 for s in seconds]
+                sync_files(path, drop=True)  # the first load reads from storage
+            seconds += [timed(load, model, path, **options) for _ in range(2)]  # cold, then warm
+            rates = [total_bytes / s / 1e9 for s in seconds]
             if dist.get_rank() == 0:
-                print(f"{round_number:<7}{name:<27}" + "".join(f"{v:>11.2f}" for v in speeds))
+                print(f"{round_number:<7}{name:<27}" + "".join(f"{v:>11.2f}" for v in rates))
                 shutil.rmtree(path)
             if round_number > 0:
                 keys = ("save_GBps", "cold_load_GBps", "warm_load_GBps")
                 measured.append(
-                    {"option": name, "path": path, **dict(zip(keys, speeds, strict=True))}
+                    {"option": name, "path": path, **dict(zip(keys, rates, strict=True))}
                 )
     return measured
 
@@ -347,45 +428,18 @@ proofs.loads_match_saves("replicated-checkpoints-load-back", checked, "warm-up r
 # slowest rank's time). Each tensor is written once (the files hold one model,
 # and the records ``torch.save`` puts around each tensor), as the planner chose:
 
-REPLICATED = results.record(
-    "replicated",
-    {
-        "bytes_held": replicated_runs[0]["bytes_held"],
-        "written": {b: [run["bytes_written"][b] for run in replicated_runs] for b in (False, True)},
-        "timed": stats.group(replicated_runs[0]["measured"], "lowest"),
-    },
-)
-results.claim(
-    "replicated-tensors-written-once-split-as-said",
-    all(
-        REPLICATED["bytes_held"] <= sum(written) < 1.05 * REPLICATED["bytes_held"]
-        for written in REPLICATED["written"].values()
-    )
-    and all(REPLICATED["written"][False])
-    and REPLICATED["written"][True][0] > 0
-    and not any(REPLICATED["written"][True][1:]),
-    "one copy of the model either way; by default every rank wrote, with lowest rank 0 only",
-)
-figures.Table(
-    ["DefaultSavePlanner(...)", *(f"rank {r} MB" for r in range(len(replicated_runs))), "GB/s"],
-    [
-        [f"dedup_save_to_lowest_rank={lowest}", *(round(b / 1e6, 1) for b in written)]
-        + [stats.median_range(REPLICATED["timed"][lowest]["save_GBps"])]
-        for lowest, written in REPLICATED["written"].items()
-    ],
-    caption=f"MB each rank wrote, of the {REPLICATED['bytes_held'] / 1e6:.1f} MB that every rank "
-    f"holds; save GB/s: median (lowest-highest) of {REPEATS}",
-)
+REPLICATED = results.record("replicated", speeds.replicated(replicated_runs))
+speeds.claim_written_once("replicated-tensors-written-once-split-as-said", REPLICATED)
+speeds.replicated_table(REPLICATED, REPEATS)
 
 # %%
 # Host memory over 20 saves
 # -------------------------
 # Reports of "host memory grows with every async save" are common. Each rank
-# saves a model (128 MB at most) 20 times with each of three strategies, in
-# fresh ranks (under ``torchrun``, the same ones), and reads its resident
-# memory (RSS) once each save is on disk: ``dcp.save`` writes from the model's
-# tensors; ``dcp.async_save`` copies the state into new host memory every time;
-# one reused ``DefaultStager`` copies into the same buffers every time.
+# saves a model (64 MB at most) 20 times with each of three strategies and reads
+# its resident memory (RSS) once each save is on disk: ``dcp.save`` writes from
+# the model's tensors; ``async_save`` copies into new host memory, a reused
+# ``DefaultStager`` into the same buffers, every time.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -394,14 +448,12 @@ STRATEGIES = ("dcp.save", "async_save", "async_save + reused DefaultStager")
 SAVES = 20
 
 
-def staging_options(use_async_staging, checkpoint_process=False):
-    """How every save on this page stages its copy, chosen from the machine."""
+def staging_options():
+    """The reused stager's: page-locked memory and non-blocking copies only speed up copies
+    from a device, and no checkpoint process reads the copy (no shared memory)."""
     on_gpu = torch.accelerator.is_available()
     return StagingOptions(
-        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
-        use_shared_memory=checkpoint_process,  # only a checkpoint *process* reads it in place
-        use_async_staging=use_async_staging,
-        use_non_blocking_copy=on_gpu,
+        use_pinned_memory=on_gpu, use_shared_memory=False, use_non_blocking_copy=on_gpu
     )
 
 
@@ -414,7 +466,7 @@ def save_twenty_times(strategy, checkpoint_root):
     fully_shard(model)
     group = dist.new_group(backend="gloo")  # background saves: a group of their own
     reuse = "DefaultStager" in strategy
-    stager = DefaultStager(staging_options(use_async_staging=True)) if reuse else None
+    stager = DefaultStager(staging_options()) if reuse else None
     process = psutil.Process()
     rss_before, rss, previous = process.memory_info().rss, [], None
     for save_number in range(1, SAVES + 1):
@@ -462,22 +514,20 @@ with (
 proofs.loads_match_saves("memory-checkpoints-load-back", checked, f"save {SAVES}, resumed")
 
 # %%
-# Does RSS grow? The first saves fill caches and pools, so the page compares
-# saves 6-10 with 16-20: a difference within the spread of either window is
-# noise, never growth. Holding one copy of a rank's share after the save is no
-# leak: the reused stager keeps its buffers on purpose; plain ``async_save``
-# leaves its last copy, or glibc keeps the memory (``gc.collect()`` tells).
+# Does RSS grow? The first saves fill caches and pools: the page compares saves
+# 6-10 with 16-20, and a difference within either window's spread is noise.
+# One copy of a rank's share held after the save is no leak: the reused stager
+# keeps it on purpose, plain ``async_save`` or glibc keep the last (``gc.collect()``).
 
 MEMORY = results.record("memory", memory.summarize(memory_runs, heap))
 results.record("memory_runs", memory_runs)
 memory.table(MEMORY, SAVES)
 
 # %%
-# Where glibc's heap changed from save 6 to save 20, on that rank. Growth *in
-# use* means something keeps each staged copy alive (a list of futures or
-# responses: drop them, or reuse one ``DefaultStager``); *free kept*, that
-# glibc keeps freed staging buffers: reuse one ``DefaultStager``, or start the
-# job with ``MALLOC_MMAP_THRESHOLD_=1048576`` so that they go back when freed.
+# Where glibc's heap changed from save 6 to 20, on that rank. Growth *in use*:
+# something keeps each staged copy alive (a list of futures: drop them, or reuse
+# a ``DefaultStager``); *free kept*: glibc keeps freed buffers (reuse a stager,
+# or start the job with ``MALLOC_MMAP_THRESHOLD_=1048576``).
 
 memory.heap_table({strategy: m["heap_change"] for strategy, m in MEMORY.items()})
 
@@ -489,88 +539,38 @@ figures.save_with_results(memory.rss_figure(memory_runs, machine.title(WORK_DIR)
 # %%
 # The advice for this machine
 # ---------------------------
-# The best save and load against their limits, and the largest growth of host
-# memory. One writer thread serializes each tensor, then writes it: at most
-# 1 / (1 / serialize + 1 / write) GB/s; more threads help only where cores are
-# free. ``FileSystemReader`` reads with one thread per rank.
+# The best save and load, against their limits, and the largest growth of host
+# memory. A ``FileSystemWriter`` thread serializes a tensor, then writes it.
 
-BEST_SAVE = max(set(KNOBS) - {NO_FSYNC}, key=lambda name: stats.median(KNOBS[name]["save_GBps"]))
-BEST_LOAD = max(KNOBS, key=lambda name: stats.median(KNOBS[name]["cold_load_GBps"]))
-GREW_MOST = memory.grew_most(MEMORY)
 MACHINE = results.record(
     "machine",
     machine.describe(WORK_DIR) | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE]),
 )
-HEADLINE = results.record(
-    "headline",
-    {
-        "best_save_GBps": stats.median(KNOBS[BEST_SAVE]["save_GBps"]),
-        "best_save_of_limit": stats.median(KNOBS[BEST_SAVE]["save_GBps"])
-        / LIMITS["limit"]["write_fsync"],
-        "best_load_GBps": stats.median(KNOBS[BEST_LOAD]["cold_load_GBps"]),
-        "best_load_of_limit": stats.median(KNOBS[BEST_LOAD]["cold_load_GBps"])
-        / LIMITS["limit"]["read_storage"],
-        "rss_growth_MB_per_save": MEMORY[GREW_MOST]["per_save"] / 1e6,
-        "rss_growth_of_share": MEMORY[GREW_MOST]["per_save"] / MEMORY[GREW_MOST]["share"],
-    },
-)
-figures.Table(
-    ["", "with", "measured", ""],
-    [
-        ["best save", BEST_SAVE, f"{HEADLINE['best_save_GBps']:.2f} GB/s"]
-        + [f"{HEADLINE['best_save_of_limit']:.2f} of write + fsync"],
-        ["best cold load", f"checkpoint of {BEST_LOAD}", f"{HEADLINE['best_load_GBps']:.2f} GB/s"]
-        + [f"{HEADLINE['best_load_of_limit']:.2f} of read from storage"],
-        ["one writer thread", "serializes, then writes"]
-        + [f"at most {disk.one_thread(LIMITS, 'torch_save', 'write_fsync'):.2f} GB/s", ""],
-        ["one reader thread", "reads, then deserializes"]
-        + [f"at most {disk.one_thread(LIMITS, 'torch_load', 'read_storage'):.2f} GB/s", ""],
-        ["most RSS growth", GREW_MOST, f"{HEADLINE['rss_growth_MB_per_save']:+.2f} MB/save"]
-        + [f"{HEADLINE['rss_growth_of_share']:+.2%} of a share: {MEMORY[GREW_MOST]['verdict']}"],
-    ],
-    caption=f"{SIZE_MB:g} MB on {MACHINE['cores']} cores, torch {torch.__version__}",
-)
+HEADLINE = results.record("headline", speeds.headline(KNOBS, LIMITS, MEMORY, [NO_FSYNC]))
+ON = f"{SIZE_MB:g} MB on {MACHINE['cores']} cores, torch {torch.__version__}"
+speeds.best_table(HEADLINE, LIMITS, MEMORY, caption=ON)
 
 # %%
-# Each knob against the defaults: a knob bought something only where the
-# difference is larger than the spread (max - min) of either row's repeats.
+# Each knob against the defaults (saves; the safetensors rows' loads too): it
+# bought something only where the difference is larger than either spread.
 
-ADVICE = results.record(
-    "advice",
-    [
-        [name, *stats.verdict_cells(KNOBS["defaults"]["save_GBps"], knob["save_GBps"], "GB/s")]
-        for name, knob in list(KNOBS.items())[1:]
-    ]
-    + [
-        ["planning, with plan caching"]
-        + stats.verdict_cells(
-            *(KNOBS[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True")),
-            "ms",
-            scale=1e3,
-            words=("longer", "shorter"),
-        ),
-        ["dedup_save_to_lowest_rank=True"]
-        + stats.verdict_cells(
-            *(REPLICATED["timed"][b]["save_GBps"] for b in (False, True)), "GB/s"
-        ),
-    ],
-)
-figures.Table(["save GB/s, against the defaults", "verdict", "difference"], ADVICE)
+LOADS = ("safetensors", "safetensors, read in place")  # loads against the defaults' too
+ADVICE = results.record("advice", speeds.advice(KNOBS, REPLICATED, LOADS))
+figures.Table(["against the defaults", "verdict", "difference"], ADVICE)
 
 # %%
 # The same, as a script for ``torchrun``
 # --------------------------------------
 # ``torchrun`` starts the ranks and ``main()`` does what ``run_on_ranks`` did
-# (set the device, create the group, run the knobs' loop, destroy the group);
-# the root is a path every rank sees (a shared file system on several
-# machines). Save it as ``speed.py`` with the functions above, and:
+# (set the device, create and destroy the group), in a directory every rank
+# sees. Save it as ``speed.py`` with the functions above, and:
 #
 # .. code-block:: bash
 #
 #    torchrun --nproc-per-node=2 speed.py
 #
-# The cell runs ``main()`` as ``torchrun`` would (torchrun's environment, no
-# group yet), with the defaults' warm-up round only: give yours some repeats.
+# The cell runs ``main()`` as ``torchrun`` would, with the defaults' warm-up
+# round only: give yours some repeats.
 
 
 def main(checkpoint_root, repeats, knobs=SAVE_OPTIONS):

@@ -521,9 +521,15 @@ results.record("verdict", VERDICT)
 # * **torch_checkpointing** when the job always resumes in the layout it saved
 #   from and one object for save, load and the optimizer-step lock is what you
 #   want, or on GPUs, where its resharder runs (above, what it did here).
+# * torch_checkpointing 0.1.1 never calls ``fsync``: its save is done once the
+#   bytes are in the page cache, and a machine that crashes then loses them.
+#   Sync its files yourself (rank 0's save returns after the rename that
+#   commits the checkpoint; the other ranks' may return before it).
 # * For the stall, the line above is this machine's, at this page's size:
-#   rerun the page on yours. :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`
-#   measures DCP's strategies at full size.
+#   :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py` measures both
+#   libraries at 1 GB (stall, overhead, memory, with torch_checkpointing's files
+#   synced), and :ref:`sphx_glr_recipes_save_load_speed_recipe.py` their save
+#   and load throughput against the disk's limits.
 
 
 # %%

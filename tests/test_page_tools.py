@@ -7,7 +7,6 @@ answer is known, including the ones that must fail.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -1644,62 +1643,6 @@ def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
     )
     with pytest.raises(ValueError):  # one strategy measured: no runner-up to compare with
         stalls.advice(summary, ["kept", "other"], {"extra_memory_mb": "memory"})
-
-
-def test_starting_point_puts_weights_and_optimizer_state_back_in_place():
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.ones(1, 4)).sum().backward()
-    optimizer.step()
-    restore = stalls.starting_point(model, optimizer)
-    weight, moment = model.weight.detach().clone(), optimizer.state[model.weight]["exp_avg"].clone()
-    tensors = (model.weight, optimizer.state[model.weight]["exp_avg"])
-    for _ in range(3):
-        model(torch.ones(1, 4)).sum().backward()
-        optimizer.step()
-    assert not torch.equal(model.weight, weight)
-    restore()
-    assert torch.equal(model.weight, weight)
-    assert torch.equal(optimizer.state[model.weight]["exp_avg"], moment)
-    assert tensors == (model.weight, optimizer.state[model.weight]["exp_avg"]), "in place"
-
-
-def test_take_turns_warms_up_picks_intervals_and_runs_the_schedule_in_rounds(tmp_path):
-    def steps_between(save_s, step_s, multiple):
-        return max(1, math.ceil(multiple * save_s / step_s))
-
-    def intervals_of(strategy, threads):
-        return (0.5, 2) if strategy == "swept" else (2,)
-
-    def train(strategy, threads, paths, between, training):
-        for path in paths:
-            os.makedirs(path)
-        stall = 0.3 if strategy == "dcp.save" else 0.01  # a save: 0.3 s; a step: 0.1 s
-        segments = [{"steps_between": n, "stall_s": stall, "steps": [[0.1, False]] * n,
-                     "wall_s": 0.1 * n + stall} for n in between]  # fmt: skip
-        losses = [0.5] * sum(between)
-        return {"checkpoints": paths if strategy != "no checkpoint" else [],
-                "segments": segments, "losses": losses}  # fmt: skip
-
-    schedule = [("no checkpoint", 1), ("dcp.save", 1), ("swept", 1)]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        runs = stalls.take_turns(
-            schedule, 2, str(tmp_path), None, train, intervals_of, steps_between
-        )
-    finally:
-        dist.destroy_process_group()
-    assert [(r["round"], r["strategy"]) for r in runs] == [
-        (n, s) for n in range(3) for s, _ in schedule
-    ]
-    warm_up = runs[:3]
-    assert [r["segments"][0]["steps_between"] for r in warm_up] == [3, 0, 0]
-    assert all(r["multiples"] == (None,) for r in warm_up)
-    swept = runs[5]
-    assert swept["multiples"] == (0.5, 2)
-    assert [s["steps_between"] for s in swept["segments"]] == [2, 6]  # 0.5 and 2 x 0.3 s / 0.1 s
-    assert swept["checkpoints"][0].startswith(str(tmp_path / "round-1" / "swept-1-threads"))
-    assert os.listdir(tmp_path) == [], "rank 0 removed every round's directory"
 
 
 def test_goals_cannot_be_met_against_a_reference_that_is_noise():

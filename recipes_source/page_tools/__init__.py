@@ -15,6 +15,8 @@ it proves:
   raises when it does not hold, every value recorded for the build and the tests;
 * ``stats``: medians, spreads, and whether a difference is more than noise;
 * ``timing``, ``memory``, ``disk``: clocks and timelines, host memory, disk limits;
+* ``stalls``, ``speeds``: what the stall benchmark and the speed page conclude from their
+  rounds (medians, ratios, goals, advice), and their tables;
 * ``reads``: what a load read from a checkpoint's files, key by key, where its time went
   (a profile by phase), and parts of states;
 * ``faults``: writers and stagers that pause or fail on cue, as context managers;

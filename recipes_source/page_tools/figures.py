@@ -195,6 +195,8 @@ def measured(
 
     def cell(group: dict[str, list], column: Column) -> Any:
         values = group[column.key]
+        if any(value is None for value in values):  # not measured for this group
+            return "-"
         if column.of is not None:
             return round(stats.median(values) / column.of, 2)
         return stats.median_range(values, column.spec, column.scale)

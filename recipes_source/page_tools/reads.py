@@ -59,13 +59,14 @@ def phases(profile: cProfile.Profile, named: dict[str, tuple[str, ...]] = LOAD_P
 
 @contextlib.contextmanager
 def load_phases(dcp: Any, where: Callable[[str], bool]) -> Iterator[observe.Calls]:
-    """Profile every ``dcp.load`` whose ``checkpoint_id`` ``where`` accepts; per call, by
-    rank: ``{"checkpoint_id", "total_s", "phases": {phase: seconds}}`` (``LOAD_PHASES``).
+    """Profile every ``dcp.load`` whose checkpoint (its ``checkpoint_id``, or its storage
+    reader's path: ``observe.checkpoint_id``) ``where`` accepts; per call, by rank:
+    ``{"checkpoint_id", "total_s", "phases": {phase: seconds}}`` (``LOAD_PHASES``).
     ``dcp.load`` is restored on exit."""
     with observe.recording() as (put, calls):
 
         def load(*args: Any, **kwargs: Any) -> Any:
-            checkpoint_id = str(kwargs.get("checkpoint_id", ""))
+            checkpoint_id = observe.checkpoint_id(observe.Call(args, kwargs)) or ""
             if not where(checkpoint_id):
                 return original(*args, **kwargs)
             profile, started = cProfile.Profile(), time.perf_counter()

@@ -28,13 +28,11 @@ whether they are within noise (``stats.effect``); the rest renders tables from t
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from page_tools import disk, figures, machine, observe, results, stats, timing
 
@@ -119,93 +117,6 @@ def collect(
                 rounds[run["round"] - 1].append(entry)
     removed = [record for _, records in sorted(removals.by_rank.items()) for record in records]
     return {"order": order, "runs": runs, "warmup": warmup, "removals": removed}
-
-
-def starting_point(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """Keep a copy of the weights and the optimizer's state; returns what puts it back in
-    place (``copy_``: nothing is allocated), so that every run starts from the same state."""
-    tensors = list(model.parameters())
-    tensors += [value for state in optimizer.state.values() for value in state.values()]
-    saved = [tensor.detach().clone() for tensor in tensors]
-
-    def restore() -> None:
-        with torch.no_grad():
-            for tensor, copy in zip(tensors, saved, strict=True):
-                tensor.copy_(copy)
-
-    return restore
-
-
-def take_turns(
-    schedule: Sequence[tuple[str, int]],
-    rounds: int,
-    root: str,
-    training: tuple,
-    train: Any,
-    intervals_of: Any,
-    steps_between: Any,
-    warm_up_steps: int = 3,
-) -> list[dict]:
-    """Round 0 warms up, then every run of ``schedule`` (``(strategy, threads)``; the first:
-    no checkpoint, the default budget) once per round, in the same order, each with
-    ``train(strategy, threads, paths, steps_between, training)``. The warm-up runs each
-    strategy's first checkpoint alone (no steps; ``warm_up_steps`` without checkpoints), and
-    picks the steps between checkpoints per multiple (``measured_intervals``, with
-    ``steps_between(save_s, step_s, multiple)``); later runs checkpoint at the multiples
-    ``intervals_of(strategy, threads)`` gives. Each round writes into its own
-    directory under ``root``, which rank 0 removes once every rank is done with it."""
-    threads = schedule[0][1]
-    multiples = sorted({m for strategy, t in schedule for m in intervals_of(strategy, t)})
-    runs: list[dict] = []
-    intervals: dict[float, int] = {}
-    for number in range(rounds + 1):
-        directory = os.path.join(root, f"round-{number}")
-        for strategy, budget in schedule:
-            chosen = intervals_of(strategy, budget)
-            between = [intervals.get(multiple) for multiple in chosen]
-            if number == 0:  # the warm-up: each first checkpoint, until durable; a few steps
-                chosen, between = (None,), [0 if strategy != BASELINE else warm_up_steps]
-            name = f"{strategy.replace(' ', '-').replace(',', '')}-{budget}-threads"
-            paths = [f"{directory}/{name}-{i}" for i in range(len(between))]
-            run = train(strategy, budget, paths, between, training)
-            run.update(round=number, strategy=strategy, threads=budget, multiples=chosen)
-            runs.append(printed(run))
-        intervals = intervals or measured_intervals(runs, threads, multiples, steps_between)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)  # the disk is the next round's
-    return runs
-
-
-def measured_intervals(
-    warm_up: list[dict], threads: int, multiples: Sequence[float], steps_between: Any
-) -> dict[float, int]:
-    """Steps between checkpoints per multiple of a save's time (``steps_between(save_s,
-    step_s, multiple)``), from the warm-up round's ``dcp.save`` (its first save, until
-    durable) and its median step without checkpoints, on the slowest rank."""
-    run = {r["strategy"]: r for r in warm_up if r["threads"] == threads}
-    step_s = statistics.median(t for t, _ in run[BASELINE]["segments"][0]["steps"])
-    both = torch.tensor([run["dcp.save"]["segments"][0]["stall_s"], step_s], dtype=torch.float64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    save_s, step_s = both.tolist()
-    intervals = {multiple: steps_between(save_s, step_s, multiple) for multiple in multiples}
-    if dist.get_rank() == 0:
-        every = ", ".join(f"{m}x: {n}" for m, n in intervals.items())
-        print(f"a save takes {save_s:.3g} s, a step {step_s:.3g} s; steps per interval, {every}")
-    return intervals
-
-
-def printed(run: dict) -> dict:
-    """Rank 0 prints a run's round, strategy, threads, and its stall at its last interval
-    and its loss (in the warm-up: its first save, until durable). Returns the run."""
-    if dist.get_rank() == 0:
-        stall, losses = run["segments"][-1]["stall_s"], run["losses"]
-        when = f"round {run['round']}" if run["round"] else "warm-up"
-        shown = f"first save {stall:.3f} s"
-        if losses:
-            shown = f"stall {stall:.3f} s, loss {losses[-1]:.6g}"
-        print(f"{when:<8} {run['strategy']:<26} threads {run['threads']}, {shown}")
-    return run
 
 
 def interleaved(order: Sequence[Sequence[Any]], schedule: Sequence[str], rounds: int) -> bool:
@@ -446,16 +357,16 @@ def sweep(
     names: Sequence[str],
     multiples: Sequence[float] | None = None,
 ):
-    """Per run and interval (``multiples``, else every interval the run checkpointed at):
-    the steps between checkpoints, the interval over dcp.save's time until durable and over
-    the run's own (per round, then the median), and the stall and total overhead with their
-    spread and noise verdict."""
+    """Per run in ``names`` that ran (each once) and interval (``multiples``, else every
+    interval the run checkpointed at): the steps between checkpoints, the interval over
+    dcp.save's time until durable and over the run's own (per round, then the median), and
+    the stall and total overhead with their spread and noise verdict."""
     saves = [  # dcp.save's time until durable, per round (the same at every interval)
         metrics(run, runs[BASELINE][i], run[0]["multiples"][-1])["time_until_durable_s"]
         for i, run in enumerate(runs["dcp.save"])
     ]
     found = {}
-    for name in names:
+    for name in [name for name in dict.fromkeys(names) if name in runs]:
         found[name] = {}
         for multiple in multiples or runs[name][0][0]["multiples"]:
             per_round = [

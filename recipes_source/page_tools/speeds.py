@@ -1,0 +1,133 @@
+"""What the speed page decides from its rounds: the best durable save and the best cold load
+against the disk's limits (``headline``, ``best_table``), and what each knob bought against
+the defaults (``advice``), every comparison with its noise verdict (``stats.verdict_cells``).
+
+``knobs`` is the page's ``stats.group`` of its rounds: per knob, lists of ``save_GBps``,
+``cold_load_GBps``, ``warm_load_GBps`` and planning seconds; ``limits``, ``disk.bandwidths``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from page_tools import disk, figures, results, stats
+
+
+def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
+    """The knob with the highest median ``key`` (``leave_out``: not durable, say)."""
+    return max((n for n in knobs if n not in leave_out), key=lambda n: stats.median(knobs[n][key]))
+
+
+def headline(knobs: dict, limits: dict, memory_found: dict, not_durable: Sequence[str]) -> dict:
+    """The best durable save and the best cold load, in GB/s and as fractions of the write +
+    fsync and read-from-storage limits; the largest RSS growth per save (``memory.summarize``),
+    in MB and as a fraction of a rank's share; and which knob or strategy each is."""
+    from page_tools import memory
+
+    save, load = best(knobs, "save_GBps", not_durable), best(knobs, "cold_load_GBps")
+    grew_most = memory.grew_most(memory_found)
+    save_gbps = stats.median(knobs[save]["save_GBps"])
+    load_gbps = stats.median(knobs[load]["cold_load_GBps"])
+    return {
+        "best_save": save,
+        "best_save_GBps": save_gbps,
+        "best_save_of_limit": save_gbps / limits["limit"]["write_fsync"],
+        "best_load": load,
+        "best_load_GBps": load_gbps,
+        "best_load_of_limit": load_gbps / limits["limit"]["read_storage"],
+        "most_rss_growth": grew_most,
+        "rss_growth_MB_per_save": memory_found[grew_most]["per_save"] / 1e6,
+        "rss_growth_of_share": memory_found[grew_most]["per_save"]
+        / memory_found[grew_most]["share"],
+    }
+
+
+def best_table(found: dict, limits: dict, memory_found: dict, caption: str) -> figures.Table:
+    """``headline``'s numbers as a table, with what one writer and one reader thread of
+    ``FileSystemWriter`` / ``FileSystemReader`` can reach at most (``disk.one_thread``)."""
+    verdict = memory_found[found["most_rss_growth"]]["verdict"]
+    rows = [
+        ["best save", found["best_save"], f"{found['best_save_GBps']:.2f} GB/s"]
+        + [f"{found['best_save_of_limit']:.2f} of write + fsync"],
+        ["best cold load", f"checkpoint of {found['best_load']}"]
+        + [f"{found['best_load_GBps']:.2f} GB/s"]
+        + [f"{found['best_load_of_limit']:.2f} of read from storage"],
+        ["one writer thread", "serializes, then writes"]
+        + [f"at most {disk.one_thread(limits, 'torch_save', 'write_fsync'):.2f} GB/s", ""],
+        ["one reader thread", "reads, then deserializes"]
+        + [f"at most {disk.one_thread(limits, 'torch_load', 'read_storage'):.2f} GB/s", ""],
+        ["most RSS growth", found["most_rss_growth"]]
+        + [f"{found['rss_growth_MB_per_save']:+.2f} MB/save"]
+        + [f"{found['rss_growth_of_share']:+.2%} of a share: {verdict}"],
+    ]
+    return figures.Table(["", "with", "measured", ""], rows, caption=caption)
+
+
+def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[list[Any]]:
+    """Rows of "against the defaults, verdict, difference": each knob's save GB/s; the cold
+    load GB/s of each knob in ``loads``; planning with plan caching; and the lowest rank
+    writing every replicated tensor (``replicated``: the page's replicated section)."""
+    defaults = knobs["defaults"]
+    rows = [
+        [name, *stats.verdict_cells(defaults["save_GBps"], knob["save_GBps"], "GB/s")]
+        for name, knob in list(knobs.items())[1:]
+    ]
+    rows += [
+        [f"cold load, {name}"]
+        + stats.verdict_cells(defaults["cold_load_GBps"], knobs[name]["cold_load_GBps"], "GB/s")
+        for name in loads
+    ]
+    rows.append(
+        ["planning, with plan caching"]
+        + stats.verdict_cells(
+            *(knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True")),
+            "ms",
+            scale=1e3,
+            words=("longer", "shorter"),
+        )
+    )
+    rows.append(
+        ["dedup_save_to_lowest_rank=True"]
+        + stats.verdict_cells(*(replicated["timed"][b]["save_GBps"] for b in (False, True)), "GB/s")
+    )
+    return rows
+
+
+def replicated(per_rank: list[dict]) -> dict:
+    """The replicated section's runs, every rank's: the bytes each rank holds, the bytes each
+    wrote per planner (``dedup_save_to_lowest_rank`` False, True), and the timed saves."""
+    return {
+        "bytes_held": per_rank[0]["bytes_held"],
+        "written": {b: [run["bytes_written"][b] for run in per_rank] for b in (False, True)},
+        "timed": stats.group(per_rank[0]["measured"], "lowest"),
+    }
+
+
+def claim_written_once(name: str, found: dict) -> None:
+    """Decide that the files hold one copy of the model with either planner (the bytes each
+    rank holds, and less than 5% more: the records around each tensor), that by default
+    every rank wrote some of it, and with ``dedup_save_to_lowest_rank=True`` rank 0 all."""
+    held, written = found["bytes_held"], found["written"]
+    results.claim(
+        name,
+        all(held <= sum(w) < 1.05 * held for w in written.values())
+        and all(written[False])
+        and written[True][0] > 0
+        and not any(written[True][1:]),
+        "one copy of the model either way; by default every rank wrote, with lowest rank 0 only",
+    )
+
+
+def replicated_table(found: dict, repeats: int) -> figures.Table:
+    ranks = len(found["written"][False])
+    return figures.Table(
+        ["DefaultSavePlanner(...)", *(f"rank {r} MB" for r in range(ranks)), "GB/s"],
+        [
+            [f"dedup_save_to_lowest_rank={lowest}", *(round(b / 1e6, 1) for b in written)]
+            + [stats.median_range(found["timed"][lowest]["save_GBps"])]
+            for lowest, written in found["written"].items()
+        ],
+        caption=f"MB each rank wrote, of the {found['bytes_held'] / 1e6:.1f} MB that every rank "
+        f"holds; save GB/s: median (lowest-highest) of {repeats}",
+    )
