@@ -183,11 +183,10 @@ def load(model, checkpoint_dir, format="torch.save", in_place=False, **save_opti
 
 
 # %%
-# Three rows change the format. ``HuggingFaceStorageWriter`` writes safetensors:
-# raw bytes after a JSON header, where ``torch.save`` wraps each tensor in a zip
-# record that ``torch.load`` reads into a new tensor, which DCP copies into yours.
-# ``HuggingFaceStorageReader`` maps the file and copies each tensor once; the
-# reader below reads each into its target (if that is all the file holds).
+# Three rows change the format. ``HuggingFaceStorageWriter`` writes safetensors,
+# raw bytes after a JSON header (``torch.save`` wraps each tensor in a record that
+# ``torch.load`` reads into a new tensor, then copied into yours); its reader copies
+# each once from a mapped file, the one below reads each straight into its target.
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -222,13 +221,12 @@ def fits(target, dtype):  # whether the file's bytes can go straight into target
 
 
 # %%
-# torch_checkpointing writes a ``torch.save`` file per item and rank, and never
-# calls ``fsync``: rank 0 (its save returns once every rank's file is in the
-# renamed directory) syncs them here. No direct I/O: ext4 fails its writes.
+# torch_checkpointing writes a ``torch.save`` file per item and rank and never
+# calls ``fsync``: rank 0, whose save returns after the rename, syncs them here.
 
 
 def torch_checkpointing_manager():
-    storage = LocalFileSystemStorageConfig(use_direct_io=False)
+    storage = LocalFileSystemStorageConfig(use_direct_io=False)  # ext4 fails its writes
     config = CheckpointManager.Config(save=SyncCheckpointSaverConfig(), storage_config=storage)
     return CheckpointManager(config)  # synchronous: it writes in the save call
 
@@ -448,12 +446,14 @@ STRATEGIES = ("dcp.save", "async_save", "async_save + reused DefaultStager")
 SAVES = 20
 
 
-def staging_options():
-    """The reused stager's: page-locked memory and non-blocking copies only speed up copies
-    from a device, and no checkpoint process reads the copy (no shared memory)."""
+def staging_options(use_async_staging, checkpoint_process=False):
+    """How every save on this page stages its copy, chosen from the machine."""
     on_gpu = torch.accelerator.is_available()
     return StagingOptions(
-        use_pinned_memory=on_gpu, use_shared_memory=False, use_non_blocking_copy=on_gpu
+        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
+        use_shared_memory=checkpoint_process,  # only a checkpoint *process* reads it in place
+        use_async_staging=use_async_staging,
+        use_non_blocking_copy=on_gpu,
     )
 
 
@@ -466,7 +466,7 @@ def save_twenty_times(strategy, checkpoint_root):
     fully_shard(model)
     group = dist.new_group(backend="gloo")  # background saves: a group of their own
     reuse = "DefaultStager" in strategy
-    stager = DefaultStager(staging_options()) if reuse else None
+    stager = DefaultStager(staging_options(use_async_staging=True)) if reuse else None
     process = psutil.Process()
     rss_before, rss, previous = process.memory_info().rss, [], None
     for save_number in range(1, SAVES + 1):
@@ -554,8 +554,8 @@ speeds.best_table(HEADLINE, LIMITS, MEMORY, caption=ON)
 # Each knob against the defaults (saves; the safetensors rows' loads too): it
 # bought something only where the difference is larger than either spread.
 
-LOADS = ("safetensors", "safetensors, read in place")  # loads against the defaults' too
-ADVICE = results.record("advice", speeds.advice(KNOBS, REPLICATED, LOADS))
+ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", "safetensors, read in place"))
+results.record("advice", ADVICE)
 figures.Table(["against the defaults", "verdict", "difference"], ADVICE)
 
 # %%

@@ -1653,6 +1653,8 @@ def test_goals_cannot_be_met_against_a_reference_that_is_noise():
     }
     assert stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]["met"] is True
     assert stalls.goals(summary, "slow", {"overhead_s": 0.1})["overhead_s"]["met"] is False
+    both = stalls.goals_of(summary, ["fast", "slow"], overhead_s=0.1)
+    assert [both[n]["overhead_s"]["met"] for n in ("fast", "slow")] == [True, False]
     summary["dcp.save"]["overhead_s"] = stats.effect([-0.2, 1.0])
     undecided = stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]
     assert undecided["met"] is None and "within noise" in undecided["said"]
