@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from page_tools import figures, observe, stats
+from page_tools import figures, observe, proofs, stats
 
 KINDS = {
     "write_fsync": "write + fsync",
@@ -424,17 +424,6 @@ def torch_checkpointing_on_disk(path: str | os.PathLike) -> dict:
     }
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value.to_local() if hasattr(value, "to_local") else value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
 def torch_checkpointing_loads(path: str | os.PathLike) -> dict:
     """Read every file of a torch_checkpointing checkpoint back with ``torch.load``:
     ``{"tensors": n, "finite": all values finite}`` (as ``loads_in_one_process``)."""
@@ -443,7 +432,9 @@ def torch_checkpointing_loads(path: str | os.PathLike) -> dict:
         # Its files hold DTensors; unpickling their mesh outside the job's groups warns.
         warnings.simplefilter("ignore")
         for file in sorted(Path(path).glob("*.pt")):
-            tensors += _tensors(torch.load(file, map_location="cpu", weights_only=False))
+            leaves = proofs.flatten(torch.load(file, map_location="cpu", weights_only=False))
+            tensors += [t for t in leaves.values() if isinstance(t, torch.Tensor)]
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
     return {"tensors": len(tensors), "finite": finite}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from page_tools import disk, figures, results, stats
+from page_tools import disk, figures, memory, results, stats
 
 
 def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
@@ -23,8 +23,6 @@ def headline(knobs: dict, limits: dict, memory_found: dict, not_durable: Sequenc
     """The best durable save and the best cold load, in GB/s and as fractions of the write +
     fsync and read-from-storage limits; the largest RSS growth per save (``memory.summarize``),
     in MB and as a fraction of a rank's share; and which knob or strategy each is."""
-    from page_tools import memory
-
     save, load = best(knobs, "save_GBps", not_durable), best(knobs, "cold_load_GBps")
     grew_most = memory.grew_most(memory_found)
     save_gbps = stats.median(knobs[save]["save_GBps"])
