@@ -2724,10 +2724,38 @@ def test_free_ports_are_distinct_and_free_also_at_the_offset():
     picked = ports.free_ports(6, also_free_at=10000)
     assert len(set(picked)) == 6 and all(ports.port_is_free(p) for p in picked)
     assert all(p + 10000 < 65536 and ports.port_is_free(p + 10000) for p in picked)
+    every = picked + [p + 10000 for p in picked]
+    assert len(set(every)) == 12, "no port is another's gRPC port (weed refuses that)"
     with socket.socket() as listening:
         listening.bind((ports.LOOPBACK, ports.free_port()))
         listening.listen()
         assert not ports.port_is_free(listening.getsockname()[1])
+
+
+def test_free_ports_skip_a_port_that_is_another_picked_ports_twin(monkeypatch):
+    """weed mini refuses a port that is another service's gRPC port (its port + 10000): in a
+    clean-clone run here it refused 42857 for S3 ("reserved for gRPC calculation")."""
+    from page_tools import ports
+
+    handed = iter([32857, 42857, 22857, 32858, 50000])
+
+    class Scripted:  # the ports the kernel hands out, in order
+        def __init__(self):
+            self.port = next(handed)
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return (ports.LOOPBACK, self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ports.socket, "socket", Scripted)
+    monkeypatch.setattr(ports, "port_is_free", lambda port: True)
+    # 42857 is 32857's twin; 22857's twin is 32857
+    assert ports.free_ports(3, also_free_at=10000) == [32857, 32858, 50000]
 
 
 def test_every_page_tools_module_is_shown_on_the_measuring_page():

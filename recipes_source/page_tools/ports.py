@@ -20,7 +20,9 @@ def free_port() -> int:
 
 def free_ports(count: int, also_free_at: int | None = None) -> list[int]:
     """``count`` distinct free loopback ports; with ``also_free_at``, each ``port +
-    also_free_at`` is free too (SeaweedFS serves gRPC on its HTTP port + 10000)."""
+    also_free_at`` is free too (SeaweedFS serves gRPC on its HTTP port + 10000), and no
+    picked port is another's ``port + also_free_at``: every one of the ``2 * count`` ports
+    is distinct (``weed`` refuses a port that is another service's gRPC port)."""
     sockets, ports = [], []
     try:
         while len(ports) < count:
@@ -28,9 +30,12 @@ def free_ports(count: int, also_free_at: int | None = None) -> list[int]:
             sock.bind((LOOPBACK, 0))
             sockets.append(sock)  # held until all are picked: no port is handed out twice
             port = sock.getsockname()[1]
-            if also_free_at is None or (
-                port + also_free_at < 65536 and port_is_free(port + also_free_at)
-            ):
+            if also_free_at is None:
+                ports.append(port)
+                continue
+            taken = set(ports) | {p + also_free_at for p in ports}
+            twin = port + also_free_at
+            if twin < 65536 and taken.isdisjoint({port, twin}) and port_is_free(twin):
                 ports.append(port)
     finally:
         for sock in sockets:
