@@ -2,13 +2,12 @@
 How much does checkpointing stall training?
 ===========================================
 
-A checkpoint costs a training job the time the loop waits for it (the
-*stall*), the speed steps lose while it is written in the background, and the
-host memory that holds a copy. This recipe trains one model with each saving
-strategy, at checkpoint intervals from half to four times a save's time, next to
-the machine's limits: how fast it copies memory and writes to disk. Every
-number is a median over rounds in which the strategies take turns, with its
-spread; a difference smaller than its spread is noise, never advice.
+A checkpoint costs a training job the time the loop waits for it (the *stall*),
+the speed steps lose while it is written in the background, and the host memory
+that holds a copy. This recipe trains one model with each saving strategy, at
+intervals from half to four times a save's time, next to the machine's limits.
+Every number is a median over rounds in which the strategies take turns, with
+its spread; a difference smaller than its spread is noise, never advice.
 
 .. grid:: 2
 
@@ -19,7 +18,7 @@ spread; a difference smaller than its spread is noise, never advice.
          ``DefaultStager`` overlap, DCP's checkpoint process, torch_checkpointing
        * Time the stall in the loop itself, in rounds where strategies take turns
        * Pick the checkpoint interval from two measured numbers
-       * Tell an effect from noise; budget CPU threads for the background writer
+       * Tell an effect from noise; see why a background save slows training
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -33,7 +32,8 @@ spread; a difference smaller than its spread is noise, never advice.
 # %%
 # Setup
 # -----
-# A small model, to build in seconds; ``make bench``: 1 GB, under ``torchrun``.
+# A small model, to build in seconds. The file runs as it is under ``torchrun``:
+# ``make bench`` runs it so, with ``DCP_RECIPES_BENCH=1`` (1 GB).
 
 import functools
 import math
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import disk, figures, machine, memory, processes, results, stalls, timing
+from page_tools import disk, figures, machine, memory, neighbors, processes, results, stalls, timing
 from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -273,11 +273,6 @@ def train_step(model, optimizer, batch, staging):
     return loss, staged
 
 
-def fill_host_buffer(stager, state_dict):
-    """Stage once: the stager allocates its host buffer now, not in the first timed save."""
-    waited(stager.stage({key: value.state_dict() for key, value in state_dict.items()}))
-
-
 # %%
 # Each rank builds the model once and takes one step: Adam creates its state
 # then, and every checkpoint holds the same tensors. Every run starts from a
@@ -310,11 +305,10 @@ def starting_point(model, optimizer):
 # %%
 # How often to checkpoint
 # -----------------------
-# A background save is free only if the next one starts after it is on disk,
-# and an upload that shares the machine with training takes longer than
-# ``dcp.save``. Two measured numbers pick the interval: a save's time and a
-# step's. ``DefaultStager overlap`` checkpoints at 0.5, 1, 2 and 4 times a save's
-# time, the others at 4, the headline (``dcp.save``, the same at any, at 0.5).
+# A background save is free only if the next one starts after it is on disk; an
+# upload beside training takes longer than ``dcp.save``. A save's time and a
+# step's pick the interval: ``DefaultStager overlap`` at 0.5, 1, 2 and 4 times a
+# save's time, the others at 4, the headline (``dcp.save``, the same at any, 0.5).
 
 MULTIPLES = (0.5, 1, 2, 4)  # checkpoint intervals, in multiples of a save's time
 HEADLINE_MULTIPLE = 4
@@ -327,11 +321,11 @@ def steps_between_checkpoints(save_s, step_s, multiple=HEADLINE_MULTIPLE):
 
 
 def intervals_of(strategy, threads):
-    """The multiples a run checkpoints at; without checkpoints, and the knob's, at 2."""
+    """The multiples a run checkpoints at; without checkpoints, and the knob's, at 1."""
     if strategy == "dcp.save":
         return (MULTIPLES[0],)
     if strategy == "no checkpoint" or threads != THREADS:
-        return (2,)
+        return (1,)
     return MULTIPLES if strategy in SWEPT else (HEADLINE_MULTIPLE,)
 
 
@@ -351,8 +345,8 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
     restore()
     group = dist.new_group(backend="gloo")  # checkpoints never share training's group
     state_dict, stager = {"app": AppState(model, optimizer)}, new_stager(strategy)
-    if isinstance(stager, DefaultStager):  # the manager keeps its buffer between runs
-        fill_host_buffer(stager, state_dict)
+    if isinstance(stager, DefaultStager):  # its host buffer, now (the manager keeps its own)
+        waited(stager.stage({key: value.state_dict() for key, value in state_dict.items()}))
     saving, segments, losses = strategy != "no checkpoint", [], []
     dist.barrier(group)  # every rank starts the timed loop together
     for path, steps_between in zip(paths, intervals, strict=True):
@@ -380,18 +374,14 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
 # Thread budget
 # -------------
 # A background writer needs CPU time while training runs: ``torch.set_num_threads``
-# leaves a core per rank to it (forked ranks train with one thread; under
-# ``torchrun`` two runs also use every core).
+# leaves a core per rank to it (forked ranks: one thread; ``torchrun``: a knob too).
 
 
-def cores_per_rank():
-    return (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-THREADS = max(1, cores_per_rank() - 1) if under_torchrun() else 1  # forked ranks: one thread
+CORES_PER_RANK = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+THREADS = max(1, CORES_PER_RANK - 1) if under_torchrun() else 1  # forked ranks: one thread
 SCHEDULE = [(strategy, THREADS) for strategy in STRATEGIES]
-if under_torchrun() and cores_per_rank() > THREADS:  # the knob: every core for training
-    SCHEDULE += [("no checkpoint", cores_per_rank()), ("DefaultStager overlap", cores_per_rank())]
+if under_torchrun() and CORES_PER_RANK > THREADS:  # the knob: every core for training
+    SCHEDULE += [("no checkpoint", CORES_PER_RANK), ("DefaultStager overlap", CORES_PER_RANK)]
 print(f"{len(SCHEDULE)} runs per round; training threads per rank: {THREADS}")
 
 # %%
@@ -410,11 +400,10 @@ stalls.limits_table(LIMITS)
 # %%
 # Train with every strategy, then let them take turns
 # ---------------------------------------------------
-# Round 0 warms up (the page cache, first allocations, first checkpoints) and
-# picks the intervals. Then every run once per round, in the same order (A B C
-# ... A B C ...): a slow minute does not hit one strategy only, and each run is
-# compared with the run without checkpoints *of its own round*. Every run starts
-# from the state after the first step (``starting_point`` puts it back).
+# Round 0 warms up and picks the intervals. Then every run once per round, in
+# the same order (A B C ... A B C ...): a slow minute hits every strategy, and
+# each run is compared with the run without checkpoints *of its own round*.
+# Every run starts from the state after the first step (``starting_point``).
 
 
 def measured_intervals(warm_up):
@@ -475,11 +464,9 @@ with (
 ):
     per_rank = run_on_ranks(benchmark, SCHEDULE, ROUNDS)
 
-
 # %%
-# What the runs prove: they took turns; every checkpoint was durable and
-# complete; no strategy changed the losses; the timers saw every blocking save.
-# Then each first checkpoint and its memory (torch_checkpointing keeps it).
+# What the runs prove: turns taken, checkpoints durable and complete, losses
+# unchanged, blocking saves timed; then first checkpoints and their memory.
 
 RUNS = stalls.collect(per_rank, saves, peaks, removals, THREADS, memory_kept=STRATEGIES[-1:])
 results.record("runs", RUNS)  # torch_checkpointing (the last) keeps its memory between runs
@@ -511,9 +498,8 @@ stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 # %%
 # Each strategy against dcp.save
 # ------------------------------
-# A stall reads best as a multiple of one memory copy of a rank's share: a
-# strategy that stages in the foreground cannot stall much less, one that
-# stages in the background can. What share of ``dcp.save``'s cost is left?
+# A stall reads best as a multiple of one memory copy of a rank's share (staging
+# in the foreground costs about one). What share of ``dcp.save``'s cost is left?
 
 RATIOS = results.record("ratios", stalls.ratios(SUMMARY, STRATEGIES[1:], LIMITS["copy_s"]))
 stalls.ratios_table(RATIOS, LIMITS["copy_s"])
@@ -532,6 +518,30 @@ stalls.print_summary_line(BENCH, results.recipe_name(), HEADLINE, GOALS[BEST])  
 stalls.goals_table(GOALS)
 
 # %%
+# Why steps slow down beside a save
+# ---------------------------------
+# Rank 0's step alone, then beside a helper on another core that spins, copies
+# memory, or writes and syncs a file. One copy and one write of a rank's share,
+# at their cost per GB, is the least a background save costs training here.
+
+HELPERS_ON_RANK_0 = run_on_ranks(  # the model without FSDP: no collective
+    neighbors.beside_helpers,
+    ToyModel,
+    train_step,
+    torch.rand(BATCH, WIDTH),
+    THREADS,
+    WORK_DIR,
+    ROUNDS,
+)
+HELPED = neighbors.summarize(HELPERS_ON_RANK_0[0])
+FLOOR = neighbors.floor(HELPED, CHECKPOINT_BYTES // len(per_rank))
+GOAL_S = GOALS[BEST]["overhead_s"]["goal"] * SUMMARY["dcp.save"]["overhead_s"]["median"]
+WHY = neighbors.against_goal(FLOOR, GOAL_S, BEST, SUMMARY[BEST]["overhead_s"]["median"])
+results.record("background_work", {"helpers": HELPED, "floor": FLOOR, "against_goal": WHY})
+print(figures.wrap(WHY["said"]))
+neighbors.table(HELPED)
+
+# %%
 # The figure
 # ----------
 # Left: the stall per checkpoint (log scale), with one memory copy of a rank's
@@ -545,26 +555,23 @@ figures.save_beside(FIGURE, results.results_path())  # make bench: beside the re
 # %%
 # The interval, swept
 # -------------------
-# ``DefaultStager overlap`` at every interval (under ``torchrun``, with every
-# core for training at 2x too), over ``dcp.save``'s time and over its own
-# upload's. Pick yours: ``steps_between_checkpoints(save_s, step_s)``.
+# ``DefaultStager overlap`` at every interval, over ``dcp.save``'s time and over
+# its own upload's. Pick yours: ``steps_between_checkpoints(save_s, step_s)``.
+# Under ``torchrun``, with a core to spare, both thread budgets at 1x.
 
-KNOB_RUN = stalls.label("DefaultStager overlap", cores_per_rank(), THREADS)  # where it ran
+KNOB_RUN = stalls.label("DefaultStager overlap", CORES_PER_RANK, THREADS)  # where it ran
 SWEEP = results.record("sweep", stalls.sweep(RUNS["runs"], [*SWEPT, KNOB_RUN]))
 SWEEP_FIGURE = stalls.sweep_figure(SWEEP, LIMITS, f"{ROUNDS} rounds")
 figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
 stalls.sweep_table(SWEEP)
 
 # %%
-# The thread budget, measured
-# ---------------------------
-# Where the knob ran (``torchrun``, a core to spare), both budgets' costs at
-# 2x a save's time.
+# Where the knob ran, both thread budgets' costs at 1x a save's time.
 
-AT_2X = stalls.at_interval(SWEEP, 2)
-KNOB = stalls.thread_knob(AT_2X, "DefaultStager overlap", THREADS, cores_per_rank())
+AT_1X = stalls.at_interval(SWEEP, 1)
+KNOB = stalls.thread_knob(AT_1X, "DefaultStager overlap", THREADS, CORES_PER_RANK)
 results.record("thread_knob", KNOB)
-stalls.thread_budget_table(AT_2X, KNOB, "DefaultStager overlap", len(per_rank), THREADS)
+stalls.thread_budget_table(AT_1X, KNOB, "DefaultStager overlap", len(per_rank), THREADS)
 
 # %%
 # When to choose which
@@ -574,14 +581,6 @@ stalls.thread_budget_table(AT_2X, KNOB, "DefaultStager overlap", len(per_rank), 
 
 ADVICE = results.record("advice", stalls.advice(SUMMARY, STRATEGIES[1:]))
 stalls.advice_table(ADVICE)
-
-# %%
-# The same under ``torchrun``
-# ---------------------------
-# This file runs as it is under ``torchrun`` (``run_on_ranks`` then runs on
-# its ranks, and the thread knob where a core is left): ``make bench`` runs
-# ``DCP_RECIPES_BENCH=1 torchrun --nproc-per-node=1 checkpoint_stall_benchmark.py``.
-# In your job, call ``train_with_checkpoints`` from your ``main()``.
 
 # %%
 # Clean up
@@ -596,5 +595,4 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # * :ref:`sphx_glr_recipes_async_save_recipe.py`: the asynchronous save, step by step.
 # * :ref:`sphx_glr_recipes_default_stager_recipe.py`: the overlapped copy, and its rules.
 # * :ref:`sphx_glr_recipes_torch_checkpointing_recipe.py`: torch_checkpointing's resume loop.
-# * :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`: when the loop does not wait for staging.
 # * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.

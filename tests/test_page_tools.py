@@ -2917,3 +2917,66 @@ def test_a_timeline_figure_is_titled_with_the_machine():
     )
     assert figure._suptitle.get_text() == machine.title()
     assert [axis.get_title(loc="left") for axis in figure.axes] == ["a run", "a run"]
+
+
+# --------------------------------------------------------------------------
+# neighbors: what a process on another core costs a step
+# --------------------------------------------------------------------------
+
+
+def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path):
+    from page_tools import neighbors
+
+    source, target = torch.rand(4 << 20), torch.empty(4 << 20)  # 16 MB: beyond the caches
+
+    def step():
+        for _ in range(20):  # about 0.1 s: every helper moves a few of its pieces
+            target.copy_(source)
+
+    records = neighbors.step_costs(step, str(tmp_path), rounds=2)
+    assert [(r["round"], r["helper"]) for r in records] == [
+        (n, kind) for n in range(2) for kind in neighbors.HELPERS
+    ]
+    moved = {kind: rounds["gb_moved"] for kind, rounds in stats.group(records, "helper").items()}
+    assert moved["spin"] == [0.0, 0.0]
+    assert all(gb > 0 for gb in moved["copy"] + moved["write"]), moved
+    assert all(r["alone_s"] > 0 and r["beside_s"] > 0 for r in records)
+    assert list(tmp_path.iterdir()) == [], "the writer's file is removed"
+    found = neighbors.summarize(records)
+    assert found["spin"]["lost_s_per_gb"] is None and found["spin"]["gb_per_s"] == 0
+    assert found["copy"]["rounds"]["gb_moved"] == moved["copy"]
+
+
+def test_a_neighbor_that_cannot_start_is_named_at_once(tmp_path):
+    from page_tools import neighbors
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="writes and syncs a file.*exited with code 1"):
+        neighbors.step_costs(lambda: None, str(tmp_path / "missing"), rounds=1)
+    assert time.monotonic() - began < neighbors.WAIT_S / 2
+
+
+def test_the_floor_counts_what_slows_the_step_in_every_round():
+    from page_tools import neighbors
+
+    def rounds(kind, ratios, gb):
+        return [
+            {"round": n, "helper": kind, "alone_s": 1.0, "beside_s": r, "gb_moved": gb}
+            for n, r in enumerate(ratios)
+        ]
+
+    records = rounds("spin", [1.0, 1.1, 0.9], 0.0) + rounds("copy", [1.2, 1.1, 1.3], 2.0)
+    records += rounds("write", [1.5, 0.9, 1.4], 0.5)  # one round faster: within noise
+    found = neighbors.summarize(records)
+    assert found["spin"]["slowdown"]["within_noise"] and found["copy"]["slowdown"]["effect"] > 0
+    assert found["write"]["slowdown"]["within_noise"]
+    assert found["copy"]["lost_s_per_gb"] == pytest.approx(0.1)  # 0.2 s per 2 GB
+    assert found["copy"]["gb_per_s"] == pytest.approx(2.0 / 1.2)
+    floor = neighbors.floor(found, 3_000_000_000)
+    assert floor["parts_s"] == {"copy": pytest.approx(0.3), "write": 0.0}
+    assert floor["floor_s"] == pytest.approx(0.3)
+    below = neighbors.against_goal(floor, 0.1, "torch_checkpointing", 0.5)
+    above = neighbors.against_goal(floor, 0.4, "torch_checkpointing", 0.5)
+    assert below["goal_below_floor"] and not above["goal_below_floor"]
+    assert (below["floor_s"], below["goal_s"], below["overhead_s"]) == (floor["floor_s"], 0.1, 0.5)
+    assert str(neighbors.table(found)).count("\n") == 4  # caption, heading, three helpers

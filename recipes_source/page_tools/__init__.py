@@ -17,6 +17,7 @@ it proves:
 * ``timing``, ``memory``, ``disk``: clocks and timelines, host memory, disk limits;
 * ``stalls``, ``speeds``: what the stall benchmark and the speed page conclude from their
   rounds (medians, ratios, goals, advice), and their tables;
+* ``neighbors``: what a process copying or writing on another core costs a training step;
 * ``reads``: what a load read from a checkpoint's files, key by key, where its time went
   (a profile by phase), and parts of states;
 * ``faults``: writers and stagers that pause or fail on cue, as context managers;

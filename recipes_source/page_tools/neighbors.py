@@ -1,0 +1,233 @@
+"""What a neighbor, a process working on another core, costs a training step on this machine.
+
+A background save does its work beside training: it copies the state once (staging), then
+writes that copy and syncs it (the upload). ``step_costs`` times the page's own training
+step alone, then beside one helper process at a time, in rounds: one that spins (CPU
+time, no memory traffic), one that copies memory, one that writes a file and syncs it.
+Each helper counts the bytes it moved while the step ran. Where spinning costs the step
+nothing and copying costs it time, a background save slows training through the memory
+both share, not through the CPU or the GIL; the cost per GB moved, times what a save
+moves, is the least any background save costs the steps it overlaps (``floor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from page_tools import stats
+
+HELPERS = {
+    "spin": "spins (CPU, no memory traffic)",
+    "copy": "copies memory, as staging does",
+    "write": "writes and syncs a file, as an upload",
+}
+BUFFER = 64 << 20  # a helper's source (and copy target): far beyond the caches
+CHUNK = 4 << 20  # what it moves between two looks at its switch (and counts)
+FILE_BYTES = 256 << 20  # the writer's file: rewritten in place, synced once per pass
+WAIT_S = 120  # a helper that does not answer in this time has failed
+
+
+def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None:
+    """Do ``kind``'s work while ``switch`` is set; sync and rest while it is not."""
+    source, target = bytearray(os.urandom(1 << 20)) * (BUFFER >> 20), bytearray(BUFFER)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if kind == "write" else None
+    source, target, offset, spins = memoryview(source), memoryview(target), 0, 0
+    resting.set()
+    while not stop.is_set():
+        if not switch.wait(0.005):
+            continue
+        resting.clear()
+        working.set()
+        while switch.is_set():
+            if kind == "spin":
+                spins += sum(range(20_000)) & 1  # no memory traffic beyond the core's own
+                continue
+            piece = slice(offset % BUFFER, offset % BUFFER + CHUNK)
+            if kind == "copy":
+                target[piece] = source[piece]
+            else:
+                os.pwrite(fd, source[piece], offset)
+            offset = (offset + CHUNK) % FILE_BYTES
+            if fd is not None and offset == 0:
+                os.fsync(fd)  # the disk's part of an upload, beside the step too
+            with moved.get_lock():
+                moved.value += CHUNK
+        if fd is not None:
+            os.fsync(fd)  # the upload is durable before the step alone runs
+        working.clear()
+        resting.set()
+    if fd is not None:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class _Neighbor:
+    kind: str
+    process: multiprocessing.process.BaseProcess
+    switch: Any
+    working: Any
+    resting: Any
+    stop: Any
+    moved: Any
+    path: str
+
+    def awaited(self, event: Any) -> None:
+        """Wait for ``event``; a helper that died or does not answer is an error, not a hang."""
+        deadline = time.monotonic() + WAIT_S
+        helper = f"neighbors: the helper that {HELPERS[self.kind]}"
+        while not event.wait(0.05):
+            if not self.process.is_alive():
+                raise RuntimeError(f"{helper} exited with code {self.process.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{helper} did not answer in {WAIT_S} s")
+
+
+def _started(context: Any, kind: str, directory: str) -> _Neighbor:
+    switch, working, resting, stop = (context.Event() for _ in range(4))
+    moved = context.Value("q", 0)
+    path = os.path.join(directory, f"neighbor-{kind}-{os.getpid()}.bin")
+    args = (kind, path, switch, working, resting, moved, stop)
+    process = context.Process(target=_helper, args=args, daemon=True)
+    process.start()
+    return _Neighbor(kind, process, switch, working, resting, stop, moved, path)
+
+
+def _timed(step: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    step()
+    return time.perf_counter() - began
+
+
+def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[dict]:
+    """Per round: ``step`` alone, then beside each helper in turn, alone again after each
+    (a slow minute hits them all). Returns one record per round and helper: the step's
+    seconds beside it, alone (the mean of the steps just before and after), and the GB the
+    helper moved while the step ran."""
+    context = multiprocessing.get_context("spawn")  # a clean process: no copy of the model
+    neighbors, records = [], []
+    try:
+        for kind in HELPERS:
+            neighbors.append(_started(context, kind, directory))
+        for neighbor in neighbors:
+            neighbor.awaited(neighbor.resting)
+        step()  # a first step (allocations) belongs to no round
+        for number in range(rounds):
+            before = _timed(step)
+            for neighbor in neighbors:
+                moved = neighbor.moved.value
+                neighbor.switch.set()
+                neighbor.awaited(neighbor.working)
+                beside = _timed(step)
+                gb = (neighbor.moved.value - moved) / 1e9
+                neighbor.switch.clear()
+                neighbor.awaited(neighbor.resting)
+                after = _timed(step)  # alone again: the mean of the two takes out a drift
+                record = {"round": number, "helper": neighbor.kind, "alone_s": (before + after) / 2}
+                records.append({**record, "beside_s": beside, "gb_moved": gb})
+                before = after
+    finally:
+        for neighbor in neighbors:
+            neighbor.stop.set()
+            neighbor.process.join(WAIT_S)
+            if neighbor.process.is_alive():
+                neighbor.process.kill()
+            if os.path.exists(neighbor.path):
+                os.remove(neighbor.path)
+    return records
+
+
+def beside_helpers(
+    make_model: Callable,
+    train_step: Callable,
+    batch: Any,
+    threads: int,
+    directory: str,
+    rounds: int,
+) -> list[dict]:
+    """``step_costs`` of a page's step, on rank 0 (the others return at once): a fresh
+    ``make_model()`` without FSDP (no collective), trained with Adam by
+    ``train_step(model, optimizer, batch, None)`` on ``threads`` threads."""
+    import torch  # here: a helper process imports this module, and needs no torch
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return []
+    torch.set_num_threads(threads)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    step = functools.partial(train_step, model, optimizer, batch, None)
+    return step_costs(step, directory, rounds)
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per helper: the step's time beside it over the same round's step alone (an effect
+    where it is above 1 in every round), the GB it moved per second, and the seconds the
+    step lost per GB it moved (median over rounds; None for the helper that moves nothing);
+    with the rounds' own numbers."""
+    found = {}
+    for kind, rounds in stats.group(records, "helper").items():
+        alone, beside, gb = rounds["alone_s"], rounds["beside_s"], rounds["gb_moved"]
+        lost = [(b - a) / g for a, b, g in zip(alone, beside, gb, strict=True) if g > 0]
+        slowdown = stats.summary([b / a for a, b in zip(alone, beside, strict=True)])
+        # Each round's two steps ran seconds apart (a slow minute slows both): the helper
+        # slows the step where it did so in every round (the spread does not cross 1).
+        slowdown.update(effect=slowdown["median"] - 1, within_noise=slowdown["min"] <= 1)
+        found[kind] = {
+            "what": HELPERS[kind],
+            "slowdown": slowdown,
+            "gb_per_s": statistics.median(g / b for g, b in zip(gb, beside, strict=True)),
+            "lost_s_per_gb": statistics.median(lost) if lost else None,
+            "rounds": {"alone_s": alone, "beside_s": beside, "gb_moved": gb},
+        }
+    return found
+
+
+def floor(found: dict, checkpoint_bytes: int) -> dict:
+    """The least a background save of ``checkpoint_bytes`` costs the steps it overlaps here:
+    one copy of its bytes and one write, at the seconds per GB the steps lost beside the
+    copying and the writing helper (a cost within noise counts as none)."""
+    parts = {}
+    for kind in ("copy", "write"):
+        entry = found[kind]
+        per_gb = 0.0 if entry["slowdown"]["within_noise"] else entry["lost_s_per_gb"]
+        parts[kind] = max(0.0, per_gb) * checkpoint_bytes / 1e9
+    return {"parts_s": parts, "floor_s": sum(parts.values()), "checkpoint_bytes": checkpoint_bytes}
+
+
+def table(found: dict):
+    """Each helper's slow-down of the step, the speed it moved memory at, the cost per GB."""
+    from page_tools import figures
+
+    rows = [
+        [
+            f"{kind}: {entry['what']}",
+            stats.shown_entry(entry["slowdown"], ".3g", "x"),
+            round(entry["gb_per_s"], 2),
+            "-" if entry["lost_s_per_gb"] is None else round(entry["lost_s_per_gb"], 3),
+        ]
+        for kind, entry in found.items()
+    ]
+    columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / GB"]
+    return figures.Table(columns, rows, "medians over rounds [lowest .. highest]")
+
+
+def against_goal(found_floor: dict, goal_s: float, strategy: str, overhead_s: float) -> dict:
+    """The floor beside the overhead goal (in seconds) and ``strategy``'s measured overhead:
+    whether the goal lies below what this machine makes a background save cost."""
+    floor_s, parts = found_floor["floor_s"], found_floor["parts_s"]
+    below = goal_s < floor_s
+    said = (
+        f"A background save costs the steps it overlaps here at least {floor_s:.3g} s per "
+        f"checkpoint (a copy {parts['copy']:.3g} s, a write {parts['write']:.3g} s): the "
+        f"overhead goal, {goal_s:.3g} s, lies {'below' if below else 'above'} that; "
+        f"{strategy}'s overhead: {overhead_s:.3g} s."
+    )
+    return {"floor_s": floor_s, "goal_s": goal_s, "goal_below_floor": below,
+            "strategy": strategy, "overhead_s": overhead_s, "said": said}  # fmt: skip
