@@ -62,7 +62,8 @@ NEUTRAL = {
 }
 MULTIPLES = [0.5, 1, 2, 4]  # checkpoint intervals, in multiples of dcp.save's first checkpoint
 HEADLINE = 4  # at least twice a background upload
-KNOB_AT = 1  # the runs without checkpoints, and the thread knob's
+KNOB_AT = 1  # the thread knob's runs
+BASELINE_AT = 2  # the run without checkpoints, at the default thread budget
 SWEPT = ["DefaultStager overlap"]
 ANY_INTERVAL = ["no checkpoint", "dcp.save"]  # costs no interval changes: run at one only
 BACKGROUND = ["DefaultStager overlap", "process writer", "torch_checkpointing"]
@@ -93,10 +94,12 @@ def baseline_label(name: str) -> str:
 
 def intervals_of(strategy: str, threads: int, default: int) -> list[float]:
     """The multiples a run checkpoints at, as the page decides them."""
+    if threads != default:
+        return [KNOB_AT]
+    if strategy == "no checkpoint":
+        return [BASELINE_AT]
     if strategy == "dcp.save":
         return [MULTIPLES[0]]
-    if strategy == "no checkpoint" or threads != default:
-        return [KNOB_AT]
     return MULTIPLES if strategy in SWEPT else [HEADLINE]
 
 
