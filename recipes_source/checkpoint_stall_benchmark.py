@@ -247,10 +247,9 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
 # %%
 # Time what the loop waits for
 # ----------------------------
-# ``time.perf_counter()`` around every call that may wait for a checkpoint (the
-# save, staging before ``optimizer.step()``, the upload) gives the *stall*; a
-# step's time is the rest. A stager allocates its host buffer on its first
-# save: each run stages once before its loop.
+# ``time.perf_counter()`` around every call that may wait for a checkpoint (the save,
+# staging before ``optimizer.step()``, the upload) gives the *stall*; a step's time is
+# the rest. A stager allocates its buffer at its first save: each run stages once first.
 
 
 def waited(future):
@@ -418,8 +417,8 @@ def measured_intervals(warm_up):
     save_s, step_s = both.tolist()
     intervals = {m: steps_between_checkpoints(save_s, step_s, m) for m in MULTIPLES}
     if dist.get_rank() == 0:
-        every = ", ".join(f"{m}x: {n}" for m, n in intervals.items())
-        print(f"a save takes {save_s:.3g} s, a step {step_s:.3g} s; steps per interval, {every}")
+        every = ", ".join(f"{m}x {n}" for m, n in intervals.items())  # 88 columns at most
+        print(f"save {save_s:.3g} s, step {step_s:.3g} s; steps per interval: {every}")
     return intervals
 
 
@@ -527,9 +526,16 @@ stalls.goals_table(GOALS)
 # memory, or writes and syncs a file. One copy and one write of a rank's share,
 # at their cost per GB, is the least a background save costs training here.
 
-TRAINING_ALONE = (ToyModel, train_step, torch.rand(BATCH, WIDTH))  # no FSDP: no collective
-BESIDE = run_on_ranks(neighbors.beside_helpers, *TRAINING_ALONE, THREADS, WORK_DIR, ROUNDS)
-HELPED = neighbors.summarize(BESIDE[0])  # rank 0's
+HELPERS_ON_RANK_0 = run_on_ranks(  # the model without FSDP: no collective
+    neighbors.beside_helpers,
+    ToyModel,
+    train_step,
+    torch.rand(BATCH, WIDTH),
+    THREADS,
+    WORK_DIR,
+    ROUNDS,
+)
+HELPED = neighbors.summarize(HELPERS_ON_RANK_0[0])
 FLOOR = neighbors.floor(HELPED, CHECKPOINT_BYTES // len(per_rank))
 GOAL_S = GOALS[BEST]["overhead_s"]["goal"] * SUMMARY["dcp.save"]["overhead_s"]["median"]
 WHY = neighbors.against_goal(FLOOR, GOAL_S, BEST, SUMMARY[BEST]["overhead_s"]["median"])

@@ -74,9 +74,7 @@ RUN_LINE = (
     r"^\[rank0\] (warm-up|round \d+) +(.+?) +threads (\d+), "
     r"(?:first save [\d.]+ s|stall [\d.]+ s, loss (\S+))$"
 )
-INTERVALS_LINE = (
-    r"^\[rank0\] a save takes [\d.e+-]+ s, a step [\d.e+-]+ s; steps per interval, (.+)$"
-)
+INTERVALS_LINE = r"^\[rank0\] save [\d.e+-]+ s, step [\d.e+-]+ s; steps per interval: (.+)$"
 
 
 # --------------------------------------------------------------------------
