@@ -1106,7 +1106,8 @@ def test_measure_limits_reads_back_what_it_wrote_and_bandwidths_take_the_best(tm
     assert all(
         len(s) == 2 and min(s) > 0 for kind in run["seconds"].values() for s in kind.values()
     )
-    assert len(run["torch_save"]) == len(run["torch_load"]) == 2
+    assert len(run["torch_save"]) == len(run["torch_save_no_crc32"]) == len(run["torch_load"]) == 2
+    assert torch.serialization.get_crc32_options() is True, "torch.save's CRC-32 back on"
     assert list(tmp_path.iterdir()) == [], "the probe removes its files"
     limits = disk.bandwidths([run, run])  # two ranks that took the same time
     per_repeat = [2 * run["bytes"] / s / 1e9 for s in run["seconds"]["write_fsync"][2]]

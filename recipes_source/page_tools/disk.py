@@ -10,7 +10,8 @@ itself), then ``fsync``s it. It reads the files back into buffers it already tou
 after dropping them from the page cache (``evict``: from storage), and right after (from
 the page cache). All ranks write and read at the same time, as they do in a save; round 0
 warms up and is not kept. It also times what DCP does to every tensor besides the disk:
-``torch.save`` of each (no disk: into ``/dev/null``) and ``torch.load`` + copy (from memory).
+``torch.save`` of each (no disk: into ``/dev/null``), with and without the CRC-32 of each
+record (``torch.load`` never checks it), and ``torch.load`` + copy (from memory).
 
 ``bandwidths`` turns every rank's seconds into GB/s, all bytes over the slowest rank's
 time, and the limit of each kind: the best that any repeat with any thread count reached.
@@ -60,7 +61,11 @@ KINDS = {
     "read_storage": "read from storage",
     "read_cache": "read from page cache",
 }
-SERIALIZATION = {"torch_save": "torch.save, no disk", "torch_load": "torch.load + copy"}
+SERIALIZATION = {
+    "torch_save": "torch.save, no disk",
+    "torch_save_no_crc32": "torch.save, no CRC-32",
+    "torch_load": "torch.load + copy",
+}
 
 
 def evict(paths: Iterable[str]) -> int:
@@ -196,12 +201,13 @@ def measure_limits(
 
 def serialization_seconds(tensors: Sequence[torch.Tensor], repeats: int) -> dict:
     """What FileSystemWriter does to every tensor before its bytes reach a file (``torch.save``,
-    a zip record with its CRC-32: here into ``/dev/null``), and what FileSystemReader does
-    after reading them (``torch.load`` into a new tensor, then a copy into the model's): one
-    thread, no disk; ``repeats`` times each."""
+    a zip record with its CRC-32: here into ``/dev/null``; and the same without the CRC-32),
+    and what FileSystemReader does after reading them (``torch.load`` into a new tensor, then
+    a copy into the model's): one thread, no disk; ``repeats`` times each."""
+    from torch.utils.serialization import config
 
-    def save_all() -> None:
-        with open(os.devnull, "wb") as sink:
+    def save_all(compute_crc32: bool = True) -> None:
+        with config.patch({"save.compute_crc32": compute_crc32}), open(os.devnull, "wb") as sink:
             for tensor in tensors:
                 torch.save(tensor, sink)
 
@@ -217,6 +223,7 @@ def serialization_seconds(tensors: Sequence[torch.Tensor], repeats: int) -> dict
 
     return {
         "torch_save": [_timed(save_all) for _ in range(repeats)],
+        "torch_save_no_crc32": [_timed(save_all, False) for _ in range(repeats)],
         "torch_load": [_timed(load_all) for _ in range(repeats)],
     }
 

@@ -53,6 +53,9 @@ def best_table(found: dict, limits: dict, memory_found: dict, caption: str) -> f
         + [f"{found['best_load_of_limit']:.2f} of read from storage"],
         ["one writer thread", "serializes, then writes"]
         + [f"at most {disk.one_thread(limits, 'torch_save', 'write_fsync'):.2f} GB/s", ""],
+        ["one writer thread", "the same, no CRC-32"]
+        + [f"at most {disk.one_thread(limits, 'torch_save_no_crc32', 'write_fsync'):.2f} GB/s"]
+        + [""],
         ["one reader thread", "reads, then deserializes"]
         + [f"at most {disk.one_thread(limits, 'torch_load', 'read_storage'):.2f} GB/s", ""],
         ["most RSS growth", found["most_rss_growth"]]
