@@ -1773,6 +1773,34 @@ def test_load_phases_profile_the_chosen_loads_by_phase_and_restore_dcp_load(tmp_
     assert [row[1] for row in rows] == [*reads.LOAD_PHASES, "the rest"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_save_phases_time_the_chosen_saves_on_every_writer_thread_and_restore(tmp_path):
+    from page_tools import reads
+    from torch.distributed.checkpoint import filesystem
+
+    state = {f"w{i}": torch.rand(512, 512) for i in range(4)}
+    originals = (dcp.save, FileSystemWriter.write_data, FileSystemWriter.finish)
+    originals += (filesystem._write_item, os.fsync)
+    with reads.save_phases(dcp, FileSystemWriter, lambda path: path.endswith("timed")) as saved:
+        for name in ("timed", "not"):
+            writer = FileSystemWriter(str(tmp_path / name), thread_count=2)
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        dcp.save(state, checkpoint_id=str(tmp_path / "timed-by-path"), no_dist=True)  # no writer
+    now = (dcp.save, FileSystemWriter.write_data, FileSystemWriter.finish)
+    assert now + (filesystem._write_item, os.fsync) == originals
+    (record,) = saved.by_rank[0]  # one save both chosen and given a FileSystemWriter
+    assert record["checkpoint_id"] == str(tmp_path / "timed") and record["threads"] == 2
+    phases = record["phases"]
+    assert list(phases) == list(reads.SAVE_PHASES)
+    assert all(phases[name] > 0 for name in reads.SAVE_PHASES if name != "the rest of write_data")
+    assert sum(phases.values()) <= record["total_s"], record
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "timed"), no_dist=True)
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+    rows = reads.phases_table(saved, 4 * 512 * 512 * 4, caption="by the clock").rows
+    assert [row[1] for row in rows] == [*reads.SAVE_PHASES, "the rest"]
+
+
 def test_adam_checkpoint_bytes_counts_each_parameter_three_times_without_allocating():
     assert stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(4, 4)) == 3 * 4 * (16 + 4)
     big = stalls.adam_checkpoint_bytes(lambda: torch.nn.Linear(100_000, 100_000))  # 40 GB

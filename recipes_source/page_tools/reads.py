@@ -11,13 +11,20 @@ every rank; a load that failed before reading records nothing.
 thread) and splits each into ``LOAD_PHASES``: ``torch.load`` reading each tensor's bytes
 into a tensor it allocates, ``copy_`` into the state dict's tensor, and the rest
 (``phases_table``).
+
+``save_phases(dcp, writer_class, where)`` times the saves it is asked to by the clock, on
+every thread: planning until the writer's ``write_data``, the writer threads' ``torch.save``
++ write of each item and their ``fsync`` (each a mean per thread), the rest of
+``write_data``, ``finish`` (``.metadata``), and the rest (``SAVE_PHASES``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import cProfile
+import os
 import pstats
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -79,10 +86,118 @@ def load_phases(dcp: Any, where: Callable[[str], bool]) -> Iterator[observe.Call
             yield calls
 
 
-def phases_table(calls: observe.Calls, total_bytes: int) -> figures.Table:
-    """Each rank's first profiled load of its share of ``total_bytes``: every phase's
-    seconds, its share of the load, and the speed the load would have if that phase were all
-    it did; then the rest."""
+# Where a FileSystemWriter save spends its time: the first and the last two by the clock on
+# the calling thread; the writer threads' own by the clock on each, summed, then divided by
+# their number (the threads run side by side).
+SAVE_PHASES = (
+    "planning, until write_data",
+    "torch.save + write, per writer thread",
+    "fsync, per writer thread",
+    "the rest of write_data",
+    "finish: .metadata written, synced",
+)
+
+
+def _save_phases(found: dict[str, float]) -> dict[str, float]:
+    threads = max(1, int(found.get("threads", 1)))
+    write, sync = found.get("write_item_s", 0.0) / threads, found.get("fsync_s", 0.0) / threads
+    seconds = [found.get("planning_s", 0.0), write, sync]
+    seconds += [found.get("write_data_s", 0.0) - write - sync, found.get("finish_s", 0.0)]
+    return dict(zip(SAVE_PHASES, seconds, strict=True))
+
+
+@contextlib.contextmanager
+def save_phases(
+    dcp: Any, writer_class: type, where: Callable[[str], bool]
+) -> Iterator[observe.Calls]:
+    """Time every ``dcp.save`` whose checkpoint (``observe.checkpoint_id``) ``where`` accepts
+    and whose storage writer is a ``writer_class`` (``FileSystemWriter``); per call, by rank:
+    ``{"checkpoint_id", "total_s", "threads", "phases": {phase: seconds}}`` (``SAVE_PHASES``).
+    ``dcp.save``, the writer's ``write_data`` and ``finish``, DCP's ``_write_item`` and
+    ``os.fsync`` are restored on exit."""
+    from torch.distributed.checkpoint import filesystem
+
+    found: dict[str, float] = {}  # the profiled save in flight in this process, if any
+    lock = threading.Lock()
+    originals = (dcp.save, writer_class.write_data, writer_class.finish)
+    originals += (filesystem._write_item, os.fsync)
+
+    def timed(key: str, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            with lock:
+                found[key] = found.get(key, 0.0) + time.perf_counter() - started
+
+    def while_writing(key: str, function: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not found.get("writing"):
+                return function(*args, **kwargs)
+            return timed(key, function, *args, **kwargs)
+
+        return call
+
+    def write_data(writer: Any, *args: Any, **kwargs: Any) -> Any:
+        if "started" not in found:
+            return originals[1](writer, *args, **kwargs)
+        found["planning_s"] = time.perf_counter() - found["started"]
+        found["threads"], found["writing"] = getattr(writer, "thread_count", 1), True
+        try:
+            return timed("write_data_s", originals[1], writer, *args, **kwargs)
+        finally:
+            found["writing"] = False
+
+    def finish(writer: Any, *args: Any, **kwargs: Any) -> Any:
+        if "started" not in found:
+            return originals[2](writer, *args, **kwargs)
+        return timed("finish_s", originals[2], writer, *args, **kwargs)
+
+    with observe.recording() as (put, calls):
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            call = observe.Call(args, kwargs)
+            checkpoint_id = observe.checkpoint_id(call) or ""
+            mine = isinstance(kwargs.get("storage_writer"), writer_class)
+            if not (mine and where(checkpoint_id)):
+                return originals[0](*args, **kwargs)
+            found.clear()
+            found["started"] = time.perf_counter()
+            try:
+                result = originals[0](*args, **kwargs)
+            finally:
+                total_s, measured = time.perf_counter() - found["started"], dict(found)
+                found.clear()
+            put(
+                {
+                    "checkpoint_id": checkpoint_id,
+                    "total_s": total_s,
+                    "threads": measured.get("threads", 1),
+                    "phases": _save_phases(measured),
+                }
+            )
+            return result
+
+        with (
+            observe.replaced(dcp, "save", save),
+            observe.replaced(writer_class, "write_data", write_data),
+            observe.replaced(writer_class, "finish", finish),
+            observe.replaced(
+                filesystem, "_write_item", while_writing("write_item_s", originals[3])
+            ),
+            observe.replaced(os, "fsync", while_writing("fsync_s", originals[4])),
+        ):
+            yield calls
+
+
+def phases_table(
+    calls: observe.Calls,
+    total_bytes: int,
+    caption: str = "cProfile's own time of the calling thread",
+) -> figures.Table:
+    """Each rank's first profiled load (or save) of its share of ``total_bytes``: every
+    phase's seconds, its share of the call, and the speed the call would have if that phase
+    were all it did; then the rest."""
     rows, share_bytes = [], total_bytes / max(1, len(calls.by_rank))
     for rank, records in sorted(calls.by_rank.items()):
         record = records[0]  # the first: a cold load
@@ -92,7 +207,7 @@ def phases_table(calls: observe.Calls, total_bytes: int) -> figures.Table:
             alone = f"{share_bytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
             rows.append([rank, phase, f"{seconds * 1e3:.0f}", f"{share:.0%}", alone])
     columns = ["rank", "phase", "ms", "share", "GB/s if it were all"]
-    return figures.Table(columns, rows, caption="cProfile's own time of the calling thread")
+    return figures.Table(columns, rows, caption=caption)
 
 
 def file_reads(reader_class: type):
