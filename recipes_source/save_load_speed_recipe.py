@@ -399,7 +399,7 @@ reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
 # %%
 # Where a save's time goes, with 4 threads and no CRC-32 (round 1), by the clock:
 # planning; each writer thread's ``torch.save`` + write, and ``fsync``; the
-# ``.metadata``; the rest (collectives). Only the write and ``fsync`` are the disk's.
+# ``.metadata`` (rank 0 writes it); the rest. Only the write and ``fsync`` are the disk's.
 
 results.record("save_phases", saved.by_rank)
 reads.phases_table(saved, 4 * DEPTH * (WIDTH + 1) * WIDTH, caption="by the clock, per rank")

@@ -155,14 +155,16 @@ def test_the_profiled_loads_are_the_warm_up_rounds_last_split_into_phases(values
 
 def test_the_timed_save_is_round_1s_with_4_threads_and_no_crc32_split_into_phases(values):
     """On every rank, one save by the clock: round 1's with the last FileSystemWriter knob;
-    planning, writes, fsyncs and .metadata each took time, together no more than the save."""
+    planning, writes and fsyncs each took time, and on rank 0 (which alone writes it) the
+    .metadata; together no more than the save."""
     timed = values["save_phases"]
     assert sorted(timed) == [str(rank) for rank in range(values["limits"]["ranks"])]
     for rank, (record,) in timed.items():
         assert record["checkpoint_id"].rsplit("/", 2)[1:] == FOLDER_OF_BEST, rank
         assert record["threads"] == 4
         phases = record["phases"]
-        assert all(phases[name] > 0 for name in TIMED_PHASES), (rank, record)
+        assert all(phases[name] > 0 for name in TIMED_PHASES[:-1]), (rank, record)
+        assert (phases[TIMED_PHASES[-1]] > 0) == (rank == "0"), (rank, record)
         assert sum(phases.values()) <= record["total_s"], (rank, record)
 
 

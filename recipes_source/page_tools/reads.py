@@ -15,7 +15,8 @@ into a tensor it allocates, ``copy_`` into the state dict's tensor, and the rest
 ``save_phases(dcp, writer_class, where)`` times the saves it is asked to by the clock, on
 every thread: planning until the writer's ``write_data``, the writer threads' ``torch.save``
 + write of each item and their ``fsync`` (each a mean per thread), the rest of
-``write_data``, ``finish`` (``.metadata``), and the rest (``SAVE_PHASES``).
+``write_data``, ``finish`` (``.metadata``: rank 0 alone calls it), and the rest
+(``SAVE_PHASES``).
 """
 
 from __future__ import annotations
