@@ -1797,8 +1797,11 @@ def test_save_phases_time_the_chosen_saves_on_every_writer_thread_and_restore(tm
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "timed"), no_dist=True)
     assert all(torch.equal(loaded[key], value) for key, value in state.items())
-    rows = reads.phases_table(saved, 4 * 512 * 512 * 4, caption="by the clock").rows
+    rows = reads.phases_table(saved, 4 * 512 * 512 * 4, "by the clock", reads.median_call).rows
     assert [row[1] for row in rows] == [*reads.SAVE_PHASES, "the rest"]
+    calls = [{"total_s": seconds} for seconds in (3.0, 0.5, 9.0, 1.0)]
+    assert reads.median_call(calls) == {"total_s": 1.0}  # of an even count, the lower
+    assert reads.median_call(calls[:3]) == {"total_s": 3.0}
 
 
 def test_adam_checkpoint_bytes_counts_each_parameter_three_times_without_allocating():

@@ -191,17 +191,25 @@ def save_phases(
             yield calls
 
 
+def median_call(records: list[dict]) -> dict:
+    """The call whose ``total_s`` is the median (the lower of the middle two): one real call,
+    its phases as they were, where one slow call (a disk's hiccup) would mislead."""
+    by_time = sorted(records, key=lambda record: record["total_s"])
+    return by_time[(len(by_time) - 1) // 2]
+
+
 def phases_table(
     calls: observe.Calls,
     total_bytes: int,
     caption: str = "cProfile's own time of the calling thread",
+    pick: Callable[[list[dict]], dict] = lambda records: records[0],
 ) -> figures.Table:
-    """Each rank's first profiled load (or save) of its share of ``total_bytes``: every
-    phase's seconds, its share of the call, and the speed the call would have if that phase
-    were all it did; then the rest."""
+    """Each rank's profiled load (or save) of its share of ``total_bytes``, the one ``pick``
+    chooses (by default the first: a cold load): every phase's seconds, its share of the
+    call, and the speed the call would have if that phase were all it did; then the rest."""
     rows, share_bytes = [], total_bytes / max(1, len(calls.by_rank))
     for rank, records in sorted(calls.by_rank.items()):
-        record = records[0]  # the first: a cold load
+        record = pick(records)
         rest = record["total_s"] - sum(record["phases"].values())
         for phase, seconds in [*record["phases"].items(), ("the rest", rest)]:
             share = seconds / record["total_s"]
