@@ -24,7 +24,7 @@ writing only its own shards. No rank ever holds the whole model.
        :class-card: card-prerequisites
 
        * PyTorch: see :doc:`/versions`
-       * ``transformers`` 5 and ``safetensors``
+       * ``transformers`` 5.20 or newer, and ``safetensors``
        * CPU (gloo) or one GPU per rank (NCCL)
        * :ref:`sphx_glr_recipes_save_load_recipe.py`
 
@@ -324,8 +324,9 @@ proofs.same_values(
 )
 
 # %%
-# ``transformers`` 5 recognises the ``shard-`` names of an unconsolidated
-# folder and reads it through DCP itself. With a process group that load is a
+# ``transformers`` 5.20 and newer recognise the ``shard-`` names of an
+# unconsolidated folder and read it through DCP itself (5.19 and older look
+# for ``model.safetensors`` and raise). With a process group that load is a
 # collective, so every rank calls ``from_pretrained``, and every rank reads
 # the whole model:
 

@@ -515,7 +515,7 @@ def load_renamed(checkpoint_dir):
     dcp.load(renamed(state_dict, checkpoint_name), checkpoint_id=checkpoint_dir)
     if dist.get_rank() == 0:
         print("\n".join(f"{key:<24} <- {checkpoint_name(key)}" for key in state_dict))
-    return model.module.blocks[0].weight.detach().clone()
+    return model.module.blocks[0].weight.detach().cpu()
 
 
 # %%

@@ -39,6 +39,7 @@ import multiprocessing.util
 import os
 import pickle
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -395,6 +396,23 @@ def _is_jupyter_kernel_thread(thread: threading.Thread) -> bool:
     return any(module.startswith("ipykernel.") for module in modules)
 
 
+# Native threads that libraries start and that are safe to fork beside, by their OS names.
+# NVML's: on a GPU machine the first NVML query (torch.cuda.device_count(), the launcher's
+# own GPU check) starts a thread named "cuda" and digits ('cuda00001800007' on an H200).
+# torch documents forking after an NVML query as safe, and after CUDA itself was initialised
+# its own fork guard makes a rank that touches CUDA raise at once. jemalloc's purging
+# threads (a library transformers loads there starts them): jemalloc takes its locks around
+# a fork and starts them again in the child.
+FORK_SAFE_NATIVE_THREADS = {
+    r"cuda\d+": "NVML's, started by the first GPU count",
+    r"jemalloc_bg_thd": "jemalloc's background purging",
+}
+
+
+def _fork_safe_native_thread(name: str) -> bool:
+    return any(re.fullmatch(pattern, name) for pattern in FORK_SAFE_NATIVE_THREADS)
+
+
 def _native_threads() -> dict[int, str]:
     """Every thread of this process by its OS id, with its OS name (Linux); else {}."""
     try:
@@ -420,7 +438,8 @@ def _unknown_threads() -> dict[int, str]:
             unknown[tid] = f"Python thread {thread.name!r} (runs {started_by})"
     for tid, name in _native_threads().items():
         # ZeroMQ's I/O threads are a Jupyter kernel's, like the Python threads above.
-        if tid != me and tid not in python_threads and not name.startswith("ZMQbg/"):
+        known = name.startswith("ZMQbg/") or _fork_safe_native_thread(name)
+        if tid != me and tid not in python_threads and not known:
             unknown[tid] = (
                 f"native thread {name!r} (tid {tid}; a C library's, such as an OpenMP pool "
                 "that torch started before the launcher was imported)"

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import faults, observe, results
+from page_tools import faults, observe, ranks, results
 from rank_launcher import run_as_torchrun, run_on_one_process, run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -162,7 +162,9 @@ def is_complete(checkpoint_dir):
 # ``__0_0.distcp``, with a ``.metadata`` of its own, into the same directory.
 # The last rank to finish wins. Nothing raises, only a warning that the save
 # "assumes" a single process. The page holds each copy until the rank's next
-# wait, and lets the ranks write in rank order:
+# wait, and lets the ranks write in rank order. One rank would save all of
+# its data: where the launch would start one, the page starts two CPU ranks
+# for this save, for its load and for the complete checkpoint below.
 
 
 def save_after_the_group_is_gone(checkpoint_dir, dedicated_group):
@@ -212,6 +214,7 @@ SILENT_DIR = os.path.join(WORK_DIR, "silent", "step-1")
 # %%
 
 with (
+    ranks.at_least(2),
     faults.staging_held_until(),
     faults.uploads_in_rank_order() as order,
     observe.watch(
@@ -256,7 +259,8 @@ def load_and_count_unchanged(checkpoint_dir):
     return len(unchanged), len(before)
 
 
-silent_loads = run_on_ranks(load_and_count_unchanged, SILENT_DIR) if silent_chunks else []
+with ranks.at_least(2):
+    silent_loads = run_on_ranks(load_and_count_unchanged, SILENT_DIR) if silent_chunks else []
 
 # %%
 
@@ -400,7 +404,8 @@ def damaged_copies(checkpoint_dir):
 
 
 COMPLETE_DIR = os.path.join(WORK_DIR, "complete", "step-1")
-run_on_ranks(save_a_complete_checkpoint, COMPLETE_DIR)
+with ranks.at_least(2):
+    run_on_ranks(save_a_complete_checkpoint, COMPLETE_DIR)
 checkpoints = {"complete": COMPLETE_DIR, **run_on_one_process(damaged_copies, COMPLETE_DIR)}
 
 # %%

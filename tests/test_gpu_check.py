@@ -219,6 +219,21 @@ def test_a_recipe_past_its_timeout_is_stopped_with_everything_it_started(tmp_pat
     assert _child_is_stopped(log), "the recipe's child process outlived the timeout"
 
 
+def test_a_recipe_reads_the_folders_beside_it_and_they_are_no_leftovers(tmp_path):
+    """The cross-version page reads cross_version_fixture/ by a relative path: on an H200
+    machine it found none in its empty working folder, and its claims failed."""
+    assert "cross_version_fixture" in [
+        p.name for p in gpu_check.recipe_data_dirs(gpu_check.RECIPES_DIR)
+    ]
+    assert "page_tools" not in [p.name for p in gpu_check.recipe_data_dirs(gpu_check.RECIPES_DIR)]
+    recipe = FIXTURES / "reads_its_data_recipe.py"
+    result = gpu_check.run_recipe(sys.executable, recipe, 1, 60.0, tmp_path, dry_run=True)
+    log = (tmp_path / "reads_its_data_recipe.log").read_text()
+    assert result["status"] == "pass", log
+    assert "beside the recipe: saved by torch 2.15.0" in log
+    assert result["leftovers"] == []
+
+
 def test_a_process_left_running_after_a_pass_is_reported_and_stopped(tmp_path):
     result = gpu_check.run_recipe(sys.executable, STRAY, 1, 60.0, tmp_path, dry_run=True)
     assert result["status"] == "pass"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -2563,6 +2564,65 @@ def test_a_missing_weed_binary_is_one_clear_line(tmp_path, monkeypatch):
     assert not (tmp_path / "object-store").exists(), "nothing was created"
 
 
+@pytest.mark.parametrize(
+    ("torch_version", "holds"),
+    [
+        ("2.13.0", "bucket"),
+        ("2.12.1", "bucket"),
+        ("2.11.0+cu130", "metadata"),
+        ("2.9.1", "metadata"),
+    ],
+)
+def test_a_load_from_a_missing_bucket_fails_as_the_torch_release_says(torch_version, holds):
+    from page_tools import object_store
+
+    outcomes = {
+        "bucket": "AssertionError in 0.1 s: The specified bucket does not exist",
+        "metadata": "AssertionError in 0.1 s: metadata is None",  # torch 2.11 on a GPU machine
+    }
+    pattern = object_store.bad_inputs(torch_version)["load, no bucket"]
+    assert {kind for kind, seen in outcomes.items() if re.match(pattern, seen)} == {holds}
+    assert (
+        object_store.bad_inputs(torch_version)["wrong secret"]
+        == object_store.BAD_INPUTS["wrong secret"]
+    )
+
+
+def test_weeds_local_sockets_fit_a_sockets_address_in_a_deep_folder(tmp_path):
+    """make gpu-check's TMPDIR made the filer's socket path 113 bytes: bind failed."""
+    from page_tools import object_store
+
+    shallow = object_store.Store(tmp_path, "bucket", binary="/bin/true")
+    deep = object_store.Store(tmp_path / ("d" * 100), "bucket", binary="/bin/true")
+    assert shallow.local_socket("filer") == tmp_path / "filer.sock"
+    command = " ".join(map(str, deep.command()))
+    for role in object_store.LOCAL_SOCKET_ROLES:
+        path = deep.local_socket(role)
+        assert len(os.fsencode(path)) < 108 and f"-{role}.localSocket={path}" in command
+        with socket.socket(socket.AF_UNIX) as listening:  # a socket binds there
+            listening.bind(str(path))
+    deep.stop()
+    assert not any(deep.local_socket(role).exists() for role in object_store.LOCAL_SOCKET_ROLES)
+
+
+def test_a_crashed_weed_is_named_by_its_cause_not_its_goroutine_trace(tmp_path):
+    from page_tools import object_store
+
+    crashing = tmp_path / "weed"  # a stand-in server that crashes as a Go program does
+    crashing.write_text(
+        "#!/bin/sh\necho 'I1204 starting'\necho 'F1204 mini.go:42] volume: no space left'\n"
+        'for i in $(seq 60); do echo "goroutine $i [running]: mini.go:1460 +0x1a"; done\n'
+        "exit 255\n"
+    )
+    crashing.chmod(0o755)
+    store = object_store.Store(tmp_path / "store", "bucket", binary=str(crashing))
+    with pytest.raises(object_store.ObjectStoreError) as raised:
+        store.start(timeout_s=30)
+    message = str(raised.value)
+    assert message.startswith("weed exited with 255: F1204 mini.go:42] volume: no space left")
+    assert message.endswith("goroutine 60 [running]: mini.go:1460 +0x1a\n"), message
+
+
 def test_request_counters_are_read_once_they_hold_still(tmp_path):
     # SeaweedFS counts a request after it has answered it: here the first read of the
     # counters misses a save's last request (its DELETE), as a read right after a save may.
@@ -2887,8 +2947,11 @@ def test_versions_matrix_compares_what_a_page_saw_with_the_matrix(tmp_path, monk
     with pytest.raises(results.ClaimFailed):
         versions_matrix.the_matrix_says("c", matrix, "model", "2.3.0", "2.1.0", "passed", None)
     versions_matrix.the_matrix_says("d", matrix, "model", "2.3.0", "9.9.9", "passed", None)
+    # No checkpoint saved by 2.3.0 to load (a download run without the site's files).
+    versions_matrix.the_matrix_says("e", matrix, "model", "2.3.0", "2.1.0", None, None)
     claims = json.loads((tmp_path / "some_recipe.json").read_text())["claims"]
     assert claims["a"]["held"] is True and claims["d"]["held"] is None
+    assert claims["e"]["held"] is None and "saved by 2.3.0" in claims["e"]["said"]
 
 
 # --------------------------------------------------------------------------

@@ -137,6 +137,8 @@ def test_a_one_process_step_leaves_no_thread_behind_in_the_launching_process(rec
         ("python", "Python thread 'left-running' (runs Event.wait)"),
         # The store the launcher itself used to host: its server runs on a thread of its own.
         ("tcp-store", "native thread 'pt_tcpstore_uv'"),
+        # A thread of a library the launcher knows nothing of.
+        ("native:libfoo_worker", "native thread 'libfoo_worker'"),
     ],
 )
 def test_the_launcher_refuses_to_fork_beside_a_running_thread(recipe_runner, kind, named):
@@ -159,6 +161,19 @@ def test_a_launch_forks_from_a_process_without_threads_of_its_own(recipe_runner)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "threads before the launch: 2" in output, "OpenBLAS's pool runs beside the main thread"
+    assert "[rank0] a rank started" in output and "[rank1] a rank started" in output
+
+
+@pytest.mark.parametrize("name", ["cuda00001800007", "jemalloc_bg_thd"])
+def test_a_launch_forks_beside_the_threads_nvml_and_jemalloc_start(recipe_runner, name):
+    """NVML's thread (started by a GPU count on an H200 machine) and jemalloc's purging
+    thread are known to be safe: ranks start beside them, still running."""
+    result = recipe_runner.script(
+        SCRIPTS / "thread_left_running.py", 2, 120, THREAD_LEFT_RUNNING=f"native:{name}"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert f"'{name}'" in output.split("threads before the launch:")[1].splitlines()[0]
     assert "[rank0] a rank started" in output and "[rank1] a rank started" in output
 
 

@@ -69,6 +69,7 @@ DEFAULT_TIMEOUT_S = 300.0
 WORLD_SIZE_ENV = "DCP_RECIPES_WORLD_SIZE"
 RECIPE_GLOBS = ("*_recipe.py", "*_benchmark.py")
 NOT_RECIPES = frozenset({"rank_launcher.py"})
+NOT_RECIPE_DATA = frozenset({"page_tools", "__pycache__"})  # the page package is on PYTHONPATH
 SUMMARY_JSON = "summary.json"
 RESULTS_SUBDIR = "results"  # each recipe's results file (page_tools.results), by stem
 RESULTS_DIR_ENV = dcp_site.RESULTS_DIR_ENV
@@ -588,6 +589,13 @@ def _exit_reason(code: int) -> str:
     return f"exit status {code}"
 
 
+def recipe_data_dirs(recipes_dir: Path) -> list[Path]:
+    """The folders beside the recipes that a page reads by a relative path (the cross-version
+    page's checkpoint saved by torch 2.15.0): Sphinx-Gallery runs a page in the gallery's
+    folder, and each recipe here runs in an empty one, with these linked into it."""
+    return sorted(p for p in recipes_dir.iterdir() if p.is_dir() and p.name not in NOT_RECIPE_DATA)
+
+
 def run_recipe(
     python: str,
     path: Path,
@@ -620,6 +628,9 @@ def run_recipe(
     tmp, cwd = scratch / "tmp", scratch / "cwd"
     tmp.mkdir()
     cwd.mkdir()
+    data = recipe_data_dirs(path.parent)
+    for folder in data:  # read by a relative path, as in the gallery's folder
+        (cwd / folder.name).symlink_to(folder, target_is_directory=True)
     env = dict(os.environ)
     env.pop(dcp_site.STAMP_DIR_ENV, None)  # no run stamps: this is not the site build
     for name in TORCHRUN_ENV:  # a plain script: the launcher must not think torchrun started it
@@ -668,7 +679,7 @@ def run_recipe(
         result["headline"], result["claims"] = read_results(out_dir / RESULTS_SUBDIR, stem)
         result["leftovers"] = sorted(
             [f"TMPDIR/{p.name}" for p in tmp.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
-            + [f"cwd/{p.name}" for p in cwd.iterdir()]
+            + [f"cwd/{p.name}" for p in cwd.iterdir() if p.name not in {d.name for d in data}]
             + (["processes still running after the recipe exited (stopped)"] if stray else [])
         )
         if timed_out:

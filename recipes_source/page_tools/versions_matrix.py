@@ -171,7 +171,11 @@ def the_matrix_says(
     claim: str, matrix: Matrix, kind: str, saved_by: str, loaded_by: str, status: str, error: Any
 ) -> None:
     """Decide that what a page just saw (status, first error line) is what the matrix
-    measured for that pair; not decided where the matrix has no such release."""
+    measured for that pair; not decided where the matrix has no such release, nor where the
+    page had no such checkpoint to load (``status`` None: its download run elsewhere)."""
+    if status is None:
+        results.not_measured_here(claim, f"no {kind} checkpoint saved by {saved_by} here")
+        return
     found = outcome(matrix, kind, saved_by, loaded_by)
     if found is None:
         results.not_measured_here(claim, f"the matrix has no {kind} pair {saved_by} -> {loaded_by}")

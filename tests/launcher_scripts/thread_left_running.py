@@ -3,9 +3,11 @@
 The launcher must refuse to fork beside it, and name it, before any rank starts.
 """
 
+import ctypes
 import os
 import sys
 import threading
+from pathlib import Path
 
 import torch.distributed as dist
 from rank_launcher import UnsafeToForkError, run_on_ranks
@@ -16,6 +18,17 @@ if kind == "python":
 elif kind == "tcp-store":
     # What the launcher itself once did: a store whose server runs on a thread of its own.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+elif kind.startswith("native:"):
+    # A thread no Python code runs on, named as a library names its own: it waits in pause().
+    libc = ctypes.CDLL(None, use_errno=True)
+    thread_id = ctypes.c_ulong()
+    pause = ctypes.cast(libc.pause, ctypes.c_void_p)
+    assert libc.pthread_create(ctypes.byref(thread_id), None, pause, None) == 0
+    assert libc.pthread_setname_np(thread_id, kind.removeprefix("native:").encode()) == 0
+    names = sorted(
+        Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()
+    )
+    print("threads before the launch:", names)
 else:  # numpy's OpenBLAS thread pool, which parks itself whenever the process forks
     print("threads before the launch:", len(os.listdir("/proc/self/task")))
 
