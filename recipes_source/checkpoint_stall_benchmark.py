@@ -7,7 +7,7 @@ the speed steps lose while it is written in the background, and the host memory
 that holds a copy. This recipe trains one model with each saving strategy, at
 intervals from half to four times a save's time, next to the machine's limits.
 Every number is a median over rounds in which the strategies take turns, with
-its spread; a difference smaller than its spread is noise, never advice.
+its spread; a difference that some round did not show is noise, never advice.
 
 .. grid:: 2
 
@@ -484,7 +484,7 @@ stalls.first_checkpoints_table(RUNS, STRATEGIES[1:])
 # The numbers, with their spread
 # ------------------------------
 # At the headline interval, the slowest rank's stall and time until durable,
-# median [lowest .. highest]: a stall below that spread is *within noise*.
+# median [lowest .. highest]; compared round by round (they take turns in each).
 
 SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULTIPLE))
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
@@ -493,7 +493,7 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # What a checkpoint costs training, against the round's run without one: the
 # median step that overlapped a save over its median step; the interval's wall
 # time minus as many of its steps; peak host memory (not torch_checkpointing's:
-# above) minus its. An effect below its spread, or below zero, is noise.
+# above) minus its. An effect is noise where some round measured none.
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -508,8 +508,8 @@ stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
 # %%
 # The goals at ``make bench`` size (1 GB), per background strategy: a stall of at
-# most 0.02x ``dcp.save``'s, a total overhead of at most 0.05x, met where the
-# rounds are below by more than their spread. Headline: the lowest stall.
+# most 0.02x ``dcp.save``'s, a total overhead of at most 0.05x: met (or not)
+# where every round is below (or above) its goal. Headline: the lowest stall.
 
 GOALS = stalls.goals_of(SUMMARY, STRATEGIES[3:], stall_per_checkpoint_s=0.02, overhead_s=0.05)
 results.record("goals", GOALS)  # for the strategies that stage in the background
@@ -578,8 +578,8 @@ stalls.thread_budget_table(AT_1X, KNOB, "DefaultStager overlap", len(per_rank), 
 # %%
 # When to choose which
 # --------------------
-# From the numbers above: a strategy leads only if its median beats the next by
-# more than the larger spread. Rerun the page, or ``make bench``, on yours.
+# From the numbers above: a strategy leads only if it beat the next in every
+# round. Rerun the page, or ``make bench``, on yours.
 
 ADVICE = results.record("advice", stalls.advice(SUMMARY, STRATEGIES[1:]))
 stalls.advice_table(ADVICE)

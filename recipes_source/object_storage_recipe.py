@@ -443,9 +443,8 @@ proofs.same_state("resumed-bit-exact", at_40, resumed, "resumed vs saved at step
 # Bad input fails at once
 # -----------------------
 # A wrong secret, a missing bucket, an endpoint where nothing listens. s3fs
-# *creates* a missing bucket where the credentials allow it (an admin identity
-# here); the job's may not: ``Access Denied``. Loading from a missing bucket
-# names it; torch 2.9 to 2.11 drop that cause and say ``metadata is None``.
+# *creates* a missing bucket where the credentials allow it (an admin's here);
+# the job's may not: ``Access Denied`` (a load, on torch 2.9-2.11: ``metadata is None``).
 
 
 def how_it_fails(fn, *args):

@@ -259,6 +259,8 @@ def load_and_count_unchanged(checkpoint_dir):
     return len(unchanged), len(before)
 
 
+# %%
+
 with ranks.at_least(2):
     silent_loads = run_on_ranks(load_and_count_unchanged, SILENT_DIR) if silent_chunks else []
 
@@ -404,8 +406,14 @@ def damaged_copies(checkpoint_dir):
 
 
 COMPLETE_DIR = os.path.join(WORK_DIR, "complete", "step-1")
+
+# %%
+
 with ranks.at_least(2):
     run_on_ranks(save_a_complete_checkpoint, COMPLETE_DIR)
+
+# %%
+
 checkpoints = {"complete": COMPLETE_DIR, **run_on_one_process(damaged_copies, COMPLETE_DIR)}
 
 # %%
