@@ -1483,37 +1483,23 @@ def test_copy_and_write_speeds_in_one_process(tmp_path):
     assert disk.slowest(ranks) == {"copy_reused": 2.0, "write_fsync": 0.5}
 
 
-def test_an_effect_is_noise_where_some_round_measured_none():
-    assert not stats.round_effect([0.05, 1.0], 0.0)["within_noise"], "every round: an effect"
-    assert stats.round_effect([-0.1, 1.0, 1.1], 0.0)["within_noise"], "one round measured none"
-    negative = stats.round_effect([-0.30, -0.31], 0.0)
+def test_an_effect_below_its_spread_or_below_neutral_is_noise():
+    assert not stats.effect([1.0, 1.1], 0.0)["within_noise"]
+    assert stats.effect([0.1, 1.0], 0.0)["within_noise"], "a spread wider than the effect"
+    negative = stats.effect([-0.30, -0.31], 0.0)
     assert negative["within_noise"] and negative["effect"] == pytest.approx(-0.305)
-    assert stats.round_effect([1.5, 1.6], 1.0)["effect"] == pytest.approx(0.55)
-    assert not stats.round_effect([1.01, 1.6], 1.0)["within_noise"]
+    assert stats.effect([1.5, 1.6], 1.0)["effect"] == pytest.approx(0.55)
     assert (
-        stats.shown_entry(stats.round_effect([0.0, 1.0]), ".2f", " s")
-        == "0.50 s [0.00 .. 1.00] within noise"
+        stats.shown_entry(stats.effect([0.1, 1.0]), ".2f", " s")
+        == "0.55 s [0.10 .. 1.00] within noise"
     )
     assert stats.shown_entry(None, ".2f", " s") == "-"
 
 
-def test_paired_rounds_differ_where_every_round_agrees_on_the_sign():
-    # One slow round moves both: paired, b is larger in every round, by 0.1.
-    found = stats.paired([1.0, 3.0, 1.2], [1.1, 3.1, 1.3])
-    assert not found["within_noise"] and found["effect"] == pytest.approx(0.1)
-    assert found["differences"] == pytest.approx([0.1, 0.1, 0.1])
-    assert stats.difference([1.0, 3.0, 1.2], [1.1, 3.1, 1.3])["within_noise"], "unpaired: noise"
-    assert stats.paired([1.0, 2.0], [1.5, 1.5])["within_noise"], "the rounds disagree"
-    assert stats.paired([1.0, 2.0], [1.0, 2.5])["within_noise"], "one round measured none"
-    with pytest.raises(ValueError):
-        stats.paired([1.0, 2.0], [1.0])
-    said, _ = stats.paired_verdict("a", [1.0, 3.0, 1.2], "b", [1.1, 3.1, 1.3], "s")
-    assert (
-        said
-        == "a: 0.1 s less than b in every round (medians 1.2 and 1.3 s, per round +0.1 to +0.1 s)"
-    )
-    said, _ = stats.paired_verdict("a", [1.0, 2.0], "b", [1.5, 1.5], "s")
-    assert said.startswith("a and b are within noise: the rounds disagree (")
+def test_below_goal_is_met_missed_or_undecided():
+    assert stats.below_goal([1.0, 1.1], [5.0, 5.0])["met"] is True
+    assert stats.below_goal([5.0, 5.1], [1.0, 1.0])["met"] is False
+    assert stats.below_goal([1.0, 3.0], [2.0, 2.1])["met"] is None
 
 
 def _run(stall, wall, steps, peak, checkpoints=1, losses=(0.5,), threads=1, saves_s=0.1):
@@ -1650,8 +1636,8 @@ def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
     assert summary["kept"]["extra_memory_mb"] is None
     assert summary["other"]["extra_memory_mb"]["values"] == [pytest.approx(838.0)]
     assert stalls.first_checkpoints_table(collected, ["kept", "other"]).rows[0][2] == "+900 MB"
-    summary["kept"]["stall_per_checkpoint_s"] = stats.round_effect([0.01, 0.02])
-    summary["other"]["stall_per_checkpoint_s"] = stats.round_effect([0.5, 0.6])
+    summary["kept"]["stall_per_checkpoint_s"] = stats.effect([0.01, 0.02])
+    summary["other"]["stall_per_checkpoint_s"] = stats.effect([0.5, 0.6])
     stall_only = {"stall_per_checkpoint_s": "the pause matters"}
     assert (
         stalls.advice(summary, ["kept", "other"], stall_only)["stall_per_checkpoint_s"]["best"]
@@ -1663,24 +1649,24 @@ def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
 
 def test_goals_cannot_be_met_against_a_reference_that_is_noise():
     summary = {
-        "dcp.save": {"overhead_s": stats.round_effect([1.0, 1.1])},
-        "fast": {"overhead_s": stats.round_effect([0.01, 0.02])},
-        "slow": {"overhead_s": stats.round_effect([0.9, 0.95])},
+        "dcp.save": {"overhead_s": stats.effect([1.0, 1.1])},
+        "fast": {"overhead_s": stats.effect([0.01, 0.02])},
+        "slow": {"overhead_s": stats.effect([0.9, 0.95])},
     }
     assert stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]["met"] is True
     assert stalls.goals(summary, "slow", {"overhead_s": 0.1})["overhead_s"]["met"] is False
     both = stalls.goals_of(summary, ["fast", "slow"], overhead_s=0.1)
     assert [both[n]["overhead_s"]["met"] for n in ("fast", "slow")] == [True, False]
-    summary["dcp.save"]["overhead_s"] = stats.round_effect([-0.2, 1.0])
+    summary["dcp.save"]["overhead_s"] = stats.effect([-0.2, 1.0])
     undecided = stalls.goals(summary, "fast", {"overhead_s": 0.1})["overhead_s"]
     assert undecided["met"] is None and "within noise" in undecided["said"]
 
 
 def test_advice_gives_none_where_the_lead_is_noise():
     summary = {
-        "a": {"stall_per_checkpoint_s": stats.round_effect([0.10, 0.11])},
-        "b": {"stall_per_checkpoint_s": stats.round_effect([0.50, 0.52])},
-        "c": {"stall_per_checkpoint_s": stats.round_effect([0.095, 0.2])},  # lower in round 1
+        "a": {"stall_per_checkpoint_s": stats.effect([0.10, 0.11])},
+        "b": {"stall_per_checkpoint_s": stats.effect([0.50, 0.52])},
+        "c": {"stall_per_checkpoint_s": stats.effect([0.105, 0.2])},
     }
     found = stalls.advice(summary, ["a", "b", "c"], {"stall_per_checkpoint_s": "it matters"})
     assert found["stall_per_checkpoint_s"]["best"] == "a"
@@ -1826,7 +1812,7 @@ def test_adam_checkpoint_bytes_counts_each_parameter_three_times_without_allocat
 
 
 def test_medians_with_whiskers_draws_a_panel_per_quantity_and_saves_beside_results(tmp_path):
-    entries = [stats.round_effect([1.0, 2.0]), stats.round_effect([0.1, 0.3])]
+    entries = [stats.effect([1.0, 2.0]), stats.effect([0.1, 0.3])]
     figure = figures.medians_with_whiskers(
         ["a", "b"],
         [
@@ -1850,14 +1836,14 @@ def test_medians_with_whiskers_draws_a_panel_per_quantity_and_saves_beside_resul
 
 
 def test_thread_knob_says_why_it_did_not_run_and_compares_budgets_where_it_did():
-    summary = {"DefaultStager overlap": {"overhead_s": stats.round_effect([0.5, 0.6])}}
+    summary = {"DefaultStager overlap": {"overhead_s": stats.effect([0.5, 0.6])}}
     forked = stalls.thread_knob(summary, "DefaultStager overlap", 1, 2)
     assert forked == {
         "ran": False,
         "why": "forked ranks train with one thread (make bench runs it)",
     }
     assert stalls.thread_knob(summary, "DefaultStager overlap", 1, 1)["why"] == "no core to spare"
-    summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.round_effect([1.5, 1.6])}
+    summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([1.5, 1.6])}
     knob = stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)
     assert knob["ran"] and knob["threads"] == {"recommended": 3, "every_core": 4}
     assert knob["said"].startswith("3 training thread(s): 1 s less than 4")
@@ -1866,12 +1852,12 @@ def test_thread_knob_says_why_it_did_not_run_and_compares_budgets_where_it_did()
 def test_ratios_flag_an_overhead_ratio_that_rests_on_noise():
     summary = {
         "dcp.save": {
-            "stall_per_checkpoint_s": stats.round_effect([1.0, 1.0]),
-            "overhead_s": stats.round_effect([2.0, 2.2]),
+            "stall_per_checkpoint_s": stats.effect([1.0, 1.0]),
+            "overhead_s": stats.effect([2.0, 2.2]),
         },
         "quiet": {
-            "stall_per_checkpoint_s": stats.round_effect([0.1, 0.1]),
-            "overhead_s": stats.round_effect([-0.1, 0.3]),
+            "stall_per_checkpoint_s": stats.effect([0.1, 0.1]),
+            "overhead_s": stats.effect([-0.1, 0.3]),
         },
     }
     found = stalls.ratios(summary, ["dcp.save", "quiet"], copy_seconds=0.05)

@@ -22,10 +22,7 @@ interval, against the run without checkpoints of the same round and thread budge
 * *time until durable*, from the save call.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
-whether they are within noise (``stats.round_effect``: every run is measured against the
-same round's run without checkpoints, so an effect is noise where some round measured none);
-strategies and goals are compared round by round (``stats.paired``); the rest renders tables
-from that.
+whether they are within noise (``stats.effect``); the rest renders tables from that.
 """
 
 from __future__ import annotations
@@ -351,7 +348,7 @@ def summarize(
             elif neutral is None or name == baseline_of(name):
                 summary[name][metric] = stats.summary(values)
             else:
-                summary[name][metric] = stats.round_effect(values, neutral)
+                summary[name][metric] = stats.effect(values, neutral)
     return summary
 
 
@@ -382,10 +379,10 @@ def sweep(
                 "steps_between": _segment(runs[name][0][0], multiple)[1]["steps_between"],
                 "interval_vs_save": statistics.median(ratios),
                 "interval_vs_upload": statistics.median(own),
-                "stall_per_checkpoint_s": stats.round_effect(
+                "stall_per_checkpoint_s": stats.effect(
                     [m["stall_per_checkpoint_s"] for m in per_round]
                 ),
-                "overhead_s": stats.round_effect([m["overhead_s"] for m in per_round]),
+                "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
             }
     return found
 
@@ -424,8 +421,7 @@ def ratios(summary: dict, strategies: Sequence[str], copy_seconds: float) -> dic
 
 def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict:
     """Whether ``name`` meets each goal "at most g times dcp.save's": its values, round by
-    round, against g times dcp.save's in the same round (``stats.paired``: met where every
-    round is below, not met where every round is above, else None), with the sentence that says
+    round, against g times dcp.save's (``stats.below_goal``), with the sentence that says
     so. Where dcp.save's own effect is within noise, a multiple of it says nothing: the
     goal is neither met nor missed (None)."""
     found = {}
@@ -434,10 +430,9 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         values = summary[name][metric]["values"]
         reference = summary["dcp.save"][metric]
         limits = [goal * v for v in reference["values"]]
-        said, outcome = stats.paired_verdict(
-            name, values, f"{goal}x dcp.save's", limits, unit.strip()
-        )
-        met = None if outcome["within_noise"] else outcome["effect"] > 0  # limits above
+        outcome = stats.below_goal(values, limits)
+        said, _ = stats.verdict(name, values, f"{goal}x dcp.save's", limits, unit.strip())
+        met = outcome["met"]
         if reference.get("within_noise"):
             met = None
             said = f"dcp.save's own is within noise: {stats.shown_entry(reference, spec, unit)}"
@@ -465,13 +460,13 @@ CRITERIA = {
 
 def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = CRITERIA) -> dict:
     """Per criterion (metric: when it matters), the strategy with the lowest median and the
-    runner-up, and whether it led in every round (``stats.paired_verdict``)."""
+    runner-up, and whether its lead is more than noise (``stats.verdict``)."""
     found = {}
     for metric, when in criteria.items():
         heading, _, unit, _ = METRICS[metric]
         measured = [name for name in strategies if summary[name][metric] is not None]
         best, second = sorted(measured, key=lambda n: _median(summary, n, metric))[:2]
-        said, diff = stats.paired_verdict(
+        said, diff = stats.verdict(
             best,
             summary[best][metric]["values"],
             second,
@@ -500,7 +495,7 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
         )
         return {"ran": False, "why": why}
     budgets = {default_threads: strategy, every_core: label(strategy, every_core, default_threads)}
-    said, _ = stats.paired_verdict(
+    said, _ = stats.verdict(
         f"{default_threads} training thread(s)",
         summary[strategy]["overhead_s"]["values"],
         f"{every_core}",

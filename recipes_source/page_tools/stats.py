@@ -156,50 +156,24 @@ def verdict_cells(
     return [word(diff, *words), numbers]
 
 
-def paired(a: Sequence[float], b: Sequence[float]) -> dict:
-    """Two quantities measured side by side, round by round: ``b`` minus ``a`` in each round
-    (``differences``), their median (``effect``), and whether it is ``within_noise``: the
-    rounds disagree on which is larger (the differences' spread crosses zero). What drifts
-    from one round to the next (a slow minute of the machine) moves both alike."""
-    first, second = summary(a), summary(b)
-    differences = [y - x for x, y in zip(first["values"], second["values"], strict=True)]
-    return {
-        "a": first,
-        "b": second,
-        "differences": differences,
-        "effect": statistics.median(differences),
-        "noise": max(differences) - min(differences),
-        "within_noise": min(differences) <= 0 <= max(differences),
-        "ratio": first["median"] / second["median"] if second["median"] else float("inf"),
-    }
-
-
-def paired_verdict(
-    a_name: str, a: Sequence[float], b_name: str, b: Sequence[float], unit: str, scale: float = 1.0
-) -> tuple[str, dict]:
-    """``verdict``'s sentence for rounds measured side by side (``paired``): "a: 1.4 s less
-    than b in every round (...)", or "... within noise: the rounds disagree (...)"."""
-    diff = paired(a, b)
-    ma, mb = diff["a"]["median"] * scale, diff["b"]["median"] * scale
-    low, high = min(diff["differences"]) * scale, max(diff["differences"]) * scale
-    numbers = f"medians {ma:.3g} and {mb:.3g} {unit}, per round {low:+.2g} to {high:+.2g} {unit}"
-    if diff["within_noise"]:
-        return f"{a_name} and {b_name} are within noise: the rounds disagree ({numbers})", diff
-    word = "less" if diff["effect"] > 0 else "more"
-    said = f"{a_name}: {abs(diff['effect']) * scale:.3g} {unit} {word} than {b_name} in every round"
-    return f"{said} ({numbers})", diff
-
-
-def round_effect(values: Sequence[float], neutral: float = 0.0) -> dict:
-    """An effect measured in each round against the same round's run without it (an overhead
-    against the run without checkpoints, a slow-down against the step alone): its
-    ``summary``, the ``effect`` (median minus ``neutral``), and whether it is
-    ``within_noise``: its spread reaches ``neutral`` (a round measured none, or the
-    opposite)."""
+def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
+    """Repeated measurements of an effect that cannot be negative (a stall, extra memory, a
+    slow-down above ``neutral``): their ``summary``, the ``effect`` (median minus ``neutral``)
+    and whether it is ``within_noise``: smaller than the spread, or below ``neutral`` (a
+    checkpoint does not make training faster: a negative median measures noise)."""
     entry = summary(values)
     entry["effect"] = entry["median"] - neutral
-    entry["within_noise"] = entry["min"] <= neutral
+    entry["within_noise"] = entry["effect"] < entry["spread"]
     return entry
+
+
+def below_goal(values: Sequence[float], limits: Sequence[float]) -> dict:
+    """Whether measurements meet a goal "at most ``limits``" (one limit, or one per round):
+    ``met`` is True where the median is below the limit's median by more than the noise,
+    False where it is above by more, None where the difference is within noise."""
+    diff = difference(values, limits)
+    met = None if diff["within_noise"] else diff["a"]["median"] < diff["b"]["median"]
+    return {**diff, "met": met}
 
 
 def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
