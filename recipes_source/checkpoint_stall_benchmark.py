@@ -346,7 +346,7 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
     group = dist.new_group(backend="gloo")  # checkpoints never share training's group
     train_step(model, optimizer, batch, None)  # untimed: see "starting_point"
     gc.collect()  # then freeze what lives: no full collection (0.3 s here) walks it in
-    gc.freeze()  # a timed step or save again (torchtitan also times its collections)
+    gc.freeze()  # a timed step or save again (torchtitan, too, picks when they run)
     state_dict, stager = {"app": AppState(model, optimizer)}, new_stager(strategy)
     if isinstance(stager, DefaultStager):  # its host buffer, now (the manager keeps its own)
         waited(stager.stage({key: value.state_dict() for key, value in state_dict.items()}))

@@ -392,6 +392,8 @@ def save_a_complete_checkpoint(checkpoint_dir):
     model, optimizer = build_sharded_model(seed=0)
     train_step(model, optimizer)
     dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=checkpoint_dir)
+    if dist.get_rank() == 0:
+        print("saved:", ", ".join(sorted(os.listdir(checkpoint_dir))))
 
 
 def damaged_copies(checkpoint_dir):
