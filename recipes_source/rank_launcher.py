@@ -403,10 +403,7 @@ def _is_jupyter_kernel_thread(thread: threading.Thread) -> bool:
 # its own fork guard makes a rank that touches CUDA raise at once. jemalloc's purging
 # threads (a library transformers loads there starts them): jemalloc takes its locks around
 # a fork and starts them again in the child.
-FORK_SAFE_NATIVE_THREADS = {
-    r"cuda\d+": "NVML's, started by the first GPU count",
-    r"jemalloc_bg_thd": "jemalloc's background purging",
-}
+FORK_SAFE_NATIVE_THREADS = (r"cuda\d+", r"jemalloc_bg_thd")  # NVML's; jemalloc's
 
 
 def _fork_safe_native_thread(name: str) -> bool:
