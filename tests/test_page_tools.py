@@ -3019,14 +3019,28 @@ def test_a_timeline_figure_is_titled_with_the_machine():
 # --------------------------------------------------------------------------
 
 
-def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path):
+def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monkeypatch):
     from page_tools import neighbors
 
     source, target = torch.rand(4 << 20), torch.empty(4 << 20)  # 16 MB: beyond the caches
+    started = []
+    start = neighbors._started
+    monkeypatch.setattr(
+        neighbors, "_started", lambda *args: started.append(start(*args)) or started[-1]
+    )
 
     def step():
-        for _ in range(20):  # about 0.1 s: every helper moves a few of its pieces
+        # About 0.1 s of copies; then, beside a helper that moves memory, the step lasts
+        # until that helper has moved a piece: a writer can wait longer than 0.1 s for
+        # the disk (CI found one that moved nothing while the step ran), a bounded wait.
+        moved = {n.kind: n.moved.value for n in started}
+        for _ in range(20):
             target.copy_(source)
+        deadline = time.monotonic() + 60
+        for n in started:
+            while n.kind != "spin" and n.switch.is_set() and n.moved.value == moved[n.kind]:
+                assert time.monotonic() < deadline, f"the {n.kind} helper moved nothing"
+                target.copy_(source)
 
     records = neighbors.step_costs(step, str(tmp_path), rounds=2)
     assert [(r["round"], r["helper"]) for r in records] == [
