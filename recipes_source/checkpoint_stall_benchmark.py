@@ -483,8 +483,8 @@ stalls.first_checkpoints_table(RUNS, STRATEGIES[1:])
 # %%
 # The numbers, with their spread
 # ------------------------------
-# At the headline interval, the slowest rank's stall and time until durable,
-# median [lowest .. highest]: a stall below that spread is *within noise*.
+# Slowest rank's stall and time until durable at the headline interval, median
+# [lowest .. highest]. Stalls compare as factors: highest over lowest is noise.
 
 SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULTIPLE))
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
@@ -509,7 +509,7 @@ stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 # %%
 # The goals at ``make bench`` size (1 GB), per background strategy: a stall of at
 # most 0.02x ``dcp.save``'s, a total overhead of at most 0.05x, met where the
-# rounds are below by more than their spread. Headline: the lowest stall.
+# rounds are below by more than their spread (stalls as factors). Headline: least stall.
 
 GOALS = stalls.goals_of(SUMMARY, STRATEGIES[3:], stall_per_checkpoint_s=0.02, overhead_s=0.05)
 results.record("goals", GOALS)  # for the strategies that stage in the background

@@ -1502,6 +1502,33 @@ def test_below_goal_is_met_missed_or_undecided():
     assert stats.below_goal([1.0, 3.0], [2.0, 2.1])["met"] is None
 
 
+def test_a_stall_is_noise_only_where_a_round_waited_none():
+    slow_round = [1.06, 3.52, 1.38]  # a blocking save's stall, one round slowed by the machine
+    assert stats.effect(slow_round)["within_noise"], "as an effect: below its spread"
+    assert not stats.wait(slow_round)["within_noise"], "as a wait: it waited in every round"
+    assert stats.wait([0.0, 0.01])["within_noise"]
+    assert stats.wait(slow_round)["effect"] == stats.wait(slow_round)["median"] == 1.38
+
+
+def test_stalls_compare_as_factors_so_one_slow_round_cannot_hide_a_hundredfold_gap():
+    small, limit = [0.002, 0.0025, 0.0037], [0.0212, 0.0704, 0.0276]  # 0.02x the above
+    assert stats.difference(small, limit)["within_noise"], "on the linear scale"
+    by_factor = stats.difference(small, limit, factor=True)
+    assert not by_factor["within_noise"]
+    assert by_factor["noise"] == pytest.approx(0.0704 / 0.0212)
+    assert stats.below_goal(small, limit, factor=True)["met"] is True
+    assert stats.below_goal(limit, small, factor=True)["met"] is False
+    assert stats.below_goal([1.0, 3.0], [2.0, 2.1], factor=True)["met"] is None
+    said, _ = stats.verdict("a", small, "b", limit, "s", factor=True)
+    assert said.startswith("a: 0.0251 s less than b, 0.091x")
+    with pytest.raises(ValueError, match="positive"):
+        stats.difference([0.0, 1.0], [1.0, 2.0], factor=True)
+    summary = {"dcp.save": {"stall_per_checkpoint_s": stats.wait([1.06, 3.52, 1.38])}}
+    summary["fast"] = {"stall_per_checkpoint_s": stats.wait(small)}
+    goal = stalls.goals(summary, "fast", {"stall_per_checkpoint_s": 0.02})
+    assert goal["stall_per_checkpoint_s"]["met"] is True
+
+
 def _run(stall, wall, steps, peak, checkpoints=1, losses=(0.5,), threads=1, saves_s=0.1):
     """One rank's run: ``checkpoints`` intervals (multiples 2, 1, ...), each of ``steps``."""
     multiples = [2, 1, 0.5][:checkpoints] or [2]
@@ -1636,8 +1663,8 @@ def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
     assert summary["kept"]["extra_memory_mb"] is None
     assert summary["other"]["extra_memory_mb"]["values"] == [pytest.approx(838.0)]
     assert stalls.first_checkpoints_table(collected, ["kept", "other"]).rows[0][2] == "+900 MB"
-    summary["kept"]["stall_per_checkpoint_s"] = stats.effect([0.01, 0.02])
-    summary["other"]["stall_per_checkpoint_s"] = stats.effect([0.5, 0.6])
+    summary["kept"]["stall_per_checkpoint_s"] = stats.wait([0.01, 0.02])
+    summary["other"]["stall_per_checkpoint_s"] = stats.wait([0.5, 0.6])
     stall_only = {"stall_per_checkpoint_s": "the pause matters"}
     assert (
         stalls.advice(summary, ["kept", "other"], stall_only)["stall_per_checkpoint_s"]["best"]
@@ -1664,9 +1691,9 @@ def test_goals_cannot_be_met_against_a_reference_that_is_noise():
 
 def test_advice_gives_none_where_the_lead_is_noise():
     summary = {
-        "a": {"stall_per_checkpoint_s": stats.effect([0.10, 0.11])},
-        "b": {"stall_per_checkpoint_s": stats.effect([0.50, 0.52])},
-        "c": {"stall_per_checkpoint_s": stats.effect([0.105, 0.2])},
+        "a": {"stall_per_checkpoint_s": stats.wait([0.10, 0.11])},
+        "b": {"stall_per_checkpoint_s": stats.wait([0.50, 0.52])},
+        "c": {"stall_per_checkpoint_s": stats.wait([0.105, 0.2])},
     }
     found = stalls.advice(summary, ["a", "b", "c"], {"stall_per_checkpoint_s": "it matters"})
     assert found["stall_per_checkpoint_s"]["best"] == "a"

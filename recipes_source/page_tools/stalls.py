@@ -22,7 +22,9 @@ interval, against the run without checkpoints of the same round and thread budge
 * *time until durable*, from the save call.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
-whether they are within noise (``stats.effect``); the rest renders tables from that.
+whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself:
+``stats.wait``); the rest renders tables from that. Stalls, which differ by factors of a
+hundred between strategies, compare on the ratio scale (``WAITS``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ METRICS = {
 }
 
 TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
+# waits the loop timed itself: compared as factors, noise only where a round waited none
+WAITS = ("stall_per_checkpoint_s",)
 # per interval at the headline multiple (the peak memory: over the whole run)
 COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]
 
@@ -347,6 +351,8 @@ def summarize(
                 summary[name][metric] = None
             elif neutral is None or name == baseline_of(name):
                 summary[name][metric] = stats.summary(values)
+            elif metric in WAITS:
+                summary[name][metric] = stats.wait(values)
             else:
                 summary[name][metric] = stats.effect(values, neutral)
     return summary
@@ -379,7 +385,7 @@ def sweep(
                 "steps_between": _segment(runs[name][0][0], multiple)[1]["steps_between"],
                 "interval_vs_save": statistics.median(ratios),
                 "interval_vs_upload": statistics.median(own),
-                "stall_per_checkpoint_s": stats.effect(
+                "stall_per_checkpoint_s": stats.wait(
                     [m["stall_per_checkpoint_s"] for m in per_round]
                 ),
                 "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
@@ -421,17 +427,19 @@ def ratios(summary: dict, strategies: Sequence[str], copy_seconds: float) -> dic
 
 def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict:
     """Whether ``name`` meets each goal "at most g times dcp.save's": its values, round by
-    round, against g times dcp.save's (``stats.below_goal``), with the sentence that says
-    so. Where dcp.save's own effect is within noise, a multiple of it says nothing: the
-    goal is neither met nor missed (None)."""
+    round, against g times dcp.save's (``stats.below_goal``; a stall as a factor), with the
+    sentence that says so. Where dcp.save's own effect is within noise, a multiple of it says
+    nothing: the goal is neither met nor missed (None)."""
     found = {}
     for metric, goal in goals_vs_dcp_save.items():
         heading, spec, unit, _ = METRICS[metric]
         values = summary[name][metric]["values"]
         reference = summary["dcp.save"][metric]
         limits = [goal * v for v in reference["values"]]
-        outcome = stats.below_goal(values, limits)
-        said, _ = stats.verdict(name, values, f"{goal}x dcp.save's", limits, unit.strip())
+        factor = metric in WAITS
+        outcome = stats.below_goal(values, limits, factor)
+        limit = f"{goal}x dcp.save's"
+        said, _ = stats.verdict(name, values, limit, limits, unit.strip(), factor=factor)
         met = outcome["met"]
         if reference.get("within_noise"):
             met = None
@@ -460,7 +468,7 @@ CRITERIA = {
 
 def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = CRITERIA) -> dict:
     """Per criterion (metric: when it matters), the strategy with the lowest median and the
-    runner-up, and whether its lead is more than noise (``stats.verdict``)."""
+    runner-up, and whether its lead is more than noise (``stats.verdict``; stalls as factors)."""
     found = {}
     for metric, when in criteria.items():
         heading, _, unit, _ = METRICS[metric]
@@ -472,6 +480,7 @@ def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = 
             second,
             summary[second][metric]["values"],
             unit.strip(),
+            factor=metric in WAITS,
         )
         found[metric] = {
             "when": when,

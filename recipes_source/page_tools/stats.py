@@ -5,6 +5,11 @@ Every timing on these pages is repeated; a page shows the median with the spread
 larger of their two spreads is *within noise*: the page then says so, and draws no
 conclusion from it. ``verdict`` renders that sentence from the numbers, so that no page
 states a speed or memory claim in fixed prose.
+
+Durations that differ by factors (a stall of 3 ms beside one of 1.4 s) compare on the
+ratio scale (``factor=True``): a factor between two medians that is smaller than the
+larger of their spreads as a factor (highest over lowest) is within noise. One slow
+round of the larger then cannot hide a hundredfold difference.
 """
 
 from __future__ import annotations
@@ -31,36 +36,53 @@ def summary(values: Sequence[float]) -> dict:
     }
 
 
-def difference(a: Sequence[float], b: Sequence[float]) -> dict:
-    """``b``'s median minus ``a``'s, the noise it must beat, and whether it does."""
+def difference(a: Sequence[float], b: Sequence[float], factor: bool = False) -> dict:
+    """``b``'s median minus ``a``'s, the noise it must beat, and whether it does; with
+    ``factor``, decided on the ratio scale (positive measurements only): ``noise`` is then
+    the larger spread as a factor, highest over lowest."""
     first, second = summary(a), summary(b)
     effect = second["median"] - first["median"]
     noise = max(first["spread"], second["spread"])
+    within = abs(effect) <= noise
+    if factor:
+        if min(first["min"], second["min"]) <= 0:
+            raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
+        noise = max(s["max"] / s["min"] for s in (first, second))
+        within = abs(math.log(second["median"] / first["median"])) <= math.log(noise)
     return {
         "a": first,
         "b": second,
         "effect": effect,
         "noise": noise,
-        "within_noise": abs(effect) <= noise,
+        "factor": factor,
+        "within_noise": within,
         "ratio": first["median"] / second["median"] if second["median"] else float("inf"),
     }
 
 
 def verdict(
-    a_name: str, a: Sequence[float], b_name: str, b: Sequence[float], unit: str, scale: float = 1.0
+    a_name: str,
+    a: Sequence[float],
+    b_name: str,
+    b: Sequence[float],
+    unit: str,
+    scale: float = 1.0,
+    factor: bool = False,
 ) -> tuple[str, dict]:
     """A sentence comparing two measured quantities (``scale`` converts to ``unit``), and the
-    numbers it rests on: "a: 1.4 ms less than b (...)", or "... within noise ..."."""
-    diff = difference(a, b)
+    numbers it rests on: "a: 1.4 ms less than b (...)", or "... within noise ..."; with
+    ``factor``, decided and said on the ratio scale (``difference``)."""
+    diff = difference(a, b, factor)
     ma, mb = diff["a"]["median"] * scale, diff["b"]["median"] * scale
-    numbers = (
-        f"medians {ma:.3g} and {mb:.3g} {unit}, spreads {diff['a']['spread'] * scale:.2g} "
-        f"and {diff['b']['spread'] * scale:.2g} {unit}"
-    )
+    shown = [f"{diff[k]['spread'] * scale:.2g} {unit}" for k in "ab"]
+    if factor:
+        shown = [f"x{diff[k]['max'] / diff[k]['min']:.2g}" for k in "ab"]
+    numbers = f"medians {ma:.3g} and {mb:.3g} {unit}, spreads {shown[0]} and {shown[1]}"
     if diff["within_noise"]:
         return f"{a_name} and {b_name} are within noise of each other ({numbers})", diff
     word = "less" if ma < mb else "more"
-    return f"{a_name}: {abs(ma - mb):.3g} {unit} {word} than {b_name} ({numbers})", diff
+    times = f", {ma / mb:.2g}x" if factor else ""
+    return f"{a_name}: {abs(ma - mb):.3g} {unit} {word} than {b_name}{times} ({numbers})", diff
 
 
 def _few_digits(value: float, digits: int) -> str:
@@ -167,11 +189,23 @@ def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
     return entry
 
 
-def below_goal(values: Sequence[float], limits: Sequence[float]) -> dict:
+def wait(values: Sequence[float]) -> dict:
+    """Repeated measurements of a wait the loop timed itself (a stall): their ``summary``,
+    and ``within_noise`` only where the spread reaches zero (a round waited none). A wait is
+    not the difference of two runs, as an ``effect`` is: a stall in every round is a stall,
+    however much it varies."""
+    entry = summary(values)
+    entry["effect"] = entry["median"]
+    entry["within_noise"] = entry["min"] <= 0
+    return entry
+
+
+def below_goal(values: Sequence[float], limits: Sequence[float], factor: bool = False) -> dict:
     """Whether measurements meet a goal "at most ``limits``" (one limit, or one per round):
     ``met`` is True where the median is below the limit's median by more than the noise,
-    False where it is above by more, None where the difference is within noise."""
-    diff = difference(values, limits)
+    False where it is above by more, None where the difference is within noise (with
+    ``factor``: on the ratio scale, ``difference``)."""
+    diff = difference(values, limits, factor)
     met = None if diff["within_noise"] else diff["a"]["median"] < diff["b"]["median"]
     return {**diff, "met": met}
 
