@@ -210,12 +210,13 @@ def _child_is_stopped(log: str) -> bool:
 
 def test_a_recipe_past_its_timeout_is_stopped_with_everything_it_started(tmp_path):
     start = time.monotonic()
-    result = gpu_check.run_recipe(sys.executable, HANGING, 1, 1.0, tmp_path, dry_run=True)
+    # 5 s: time for the recipe to start its child and say so on a loaded machine
+    result = gpu_check.run_recipe(sys.executable, HANGING, 1, 5.0, tmp_path, dry_run=True)
     assert time.monotonic() - start < 60
     assert result["status"] == "fail"
-    assert result["reason"] == "timed out after 1 s (--timeout)"
+    assert result["reason"] == "timed out after 5 s (--timeout)"
     log = (tmp_path / "hanging_recipe.log").read_text()
-    assert "gpu-check: timed out after 1 s (--timeout): stopped" in log
+    assert "gpu-check: timed out after 5 s (--timeout): stopped" in log
     assert _child_is_stopped(log), "the recipe's child process outlived the timeout"
 
 

@@ -45,9 +45,12 @@ def test_the_rank_that_raised_first_is_the_cause_not_one_stopped_while_it_wrote_
 
 @pytest.mark.long
 def test_a_hanging_rank_fails_at_the_deadline(recipe_runner):
-    result = recipe_runner.script(SCRIPTS / "hanging_rank.py", timeout=120, DCP_RECIPES_TIMEOUT="8")
+    # 15 s: time for both ranks to start on a loaded machine before the deadline
+    result = recipe_runner.script(
+        SCRIPTS / "hanging_rank.py", timeout=120, DCP_RECIPES_TIMEOUT="15"
+    )
     assert result.returncode != 0
-    assert "recipe 'hanging_rank': rank 0 failed: timed out after 8 s" in result.stderr
+    assert "recipe 'hanging_rank': rank 0 failed: timed out after 15 s" in result.stderr
     assert "rank 0 started" in result.stderr
     assert recipe_runner.leftovers() == []
     assert recipe_runner.processes_left() == []

@@ -171,7 +171,7 @@ def test_the_timed_saves_are_the_measured_rounds_with_4_threads_and_no_crc32(val
             assert sum(phases.values()) <= record["total_s"], (rank, record)
 
 
-def test_the_headline_is_the_best_save_and_load_against_the_limits(values):
+def test_the_headline_is_the_best_save_and_load_against_the_limits(built, values):
     knobs, limit, memory = values["knobs"], values["limits"]["limit"], values["memory"]
     durable = [name for name in KNOBS if name != "sync_files=False"]
     best_save = max(durable, key=lambda n: statistics.median(knobs[n]["save_GBps"]))
@@ -193,9 +193,17 @@ def test_the_headline_is_the_best_save_and_load_against_the_limits(values):
         }
     )
     assert all(isinstance(v, float) for v in headline.values()), "named numbers"
-    # The claim that the limits bound DCP rests on these fractions.
-    assert values["headline"]["best_save_of_limit"] <= 1
-    assert values["headline"]["best_load_of_limit"] <= 1
+    # The claim that the limits bound DCP rests on these fractions: at most 1, or above by
+    # less than noise (the larger spread of the knob's rounds and of the probe that set it).
+    for key, kind, knob in (
+        ("save_GBps", "write_fsync", best_save),
+        ("cold_load_GBps", "read_storage", best_load),
+    ):
+        probe = max(values["limits"]["GBps"][kind].values(), key=lambda s: s["max"])
+        ours = knobs[knob][key]
+        noise = max(max(ours) - min(ours), probe["spread"])
+        assert statistics.median(ours) <= limit[kind] + noise, (knob, key)
+    assert built["claims"]["no-save-or-load-beats-its-limit"]["evidence"]["beyond"] == []
 
 
 def test_replicated_tensors_are_written_once_split_as_the_planner_chose(values):

@@ -105,6 +105,39 @@ def replicated(per_rank: list[dict]) -> dict:
     }
 
 
+# Each knob measurement against the limit that bounds it.
+BOUNDED_BY = {"save_GBps": "write_fsync", "cold_load_GBps": "read_storage",
+              "warm_load_GBps": "read_cache"}  # fmt: skip
+
+
+def beyond_limits(knobs: dict, limits: dict, not_durable: Sequence[str] = ()) -> list[dict]:
+    """Every knob measurement whose median beats its limit (the best any probe reached) by
+    more than noise: the larger spread of the knob's rounds and of the probe's repeats at
+    the thread count that reached it. A probe that measures something slower than what it
+    bounds shows here; a cold load within noise of this machine's storage does not (its
+    reads vary twofold from minute to minute). ``not_durable`` saves are not bounded."""
+    found = []
+    for name, knob in knobs.items():
+        for key, kind in BOUNDED_BY.items():
+            if key == "save_GBps" and name in not_durable:
+                continue
+            probe = max(limits["GBps"][kind].values(), key=lambda s: s["max"])
+            ours = stats.summary(knob[key])
+            noise = max(ours["spread"], probe["spread"])
+            if ours["median"] > limits["limit"][kind] + noise:
+                found.append({"knob": name, "measured": key, "median": ours["median"],
+                              "limit": limits["limit"][kind], "noise": noise})  # fmt: skip
+    return found
+
+
+def claim_within_limits(name: str, knobs: dict, limits: dict, not_durable: Sequence[str]) -> None:
+    """Decide that no durable save beat write + fsync, and no load the read it does, by more
+    than noise (``beyond_limits``): a limit is a limit only if nothing beats it."""
+    beyond = beyond_limits(knobs, limits, not_durable)
+    said = "no durable save beat write + fsync, and no load the read it does, beyond noise"
+    results.claim(name, not beyond, said, beyond=beyond)
+
+
 def claim_written_once(name: str, found: dict) -> None:
     """Decide that the files hold one copy of the model with either planner (the bytes each
     rank holds, and less than 5% more: the records around each tensor), that by default
