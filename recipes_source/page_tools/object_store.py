@@ -259,10 +259,11 @@ class Store:
     def requests(self) -> dict[str, int]:
         """The S3 gateway's own request counters so far, by S3 action (PUT, GET, ...), once
         they hold still: the gateway counts a request after it has answered it, so a read
-        right after a save could miss the save's last request (its DELETE, say)."""
+        right after a save could miss the save's last request (its DELETE, say). Two reads
+        50 ms apart must agree: on a loaded machine the server can wait that long to count."""
         counts = self._request_counters()
-        for _ in range(100):  # 2 s at most
-            time.sleep(0.02)
+        for _ in range(40):  # 2 s at most
+            time.sleep(0.05)
             again = self._request_counters()
             if again == counts:
                 break
