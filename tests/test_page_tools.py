@@ -1239,7 +1239,7 @@ def test_group_median_range_and_verdict_cells(capsys):
         stats.verdict_cells([0.010, 0.011], [0.020, 0.021], "ms", 1e3, ("longer", "shorter"))[0]
         == "longer"
     )
-    stats.tell("a very long name " * 4, [1.0, 1.1], "another long name " * 4, [5.0, 5.1], "GB/s")
+    stats.say("a very long name " * 4, [1.0, 1.1], "another long name " * 4, [5.0, 5.1], "GB/s")
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) > 1 and max(len(line) for line in printed) <= 88
 

@@ -276,9 +276,9 @@ def one_thread(limits: dict, cost: str, kind: str) -> float:
 
 def storage_against_cache(limits: dict) -> dict:
     """Print whether one thread's reads from storage and from the page cache differ beyond
-    noise (``stats.tell``): where they do not, the host probably caches the disk."""
+    noise (``stats.say``): where they do not, the host probably caches the disk."""
     one = min(limits["GBps"]["read_storage"])
-    return stats.tell(
+    return stats.say(
         "one thread's read from storage",
         limits["GBps"]["read_storage"][one]["values"],
         "from the page cache",

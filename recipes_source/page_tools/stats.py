@@ -125,23 +125,6 @@ def word(diff: dict, more: str = "more", less: str = "less") -> str:
     return more if diff["effect"] > 0 else less
 
 
-def tell(
-    a_name: str,
-    a: Sequence[float],
-    b_name: str,
-    b: Sequence[float],
-    unit: str,
-    scale: float = 1.0,
-    width: int = 88,
-) -> dict:
-    """Print ``verdict``'s sentence in lines that fit a page's column; returns its numbers."""
-    import textwrap
-
-    said, diff = verdict(a_name, a, b_name, b, unit, scale)
-    print(textwrap.fill(said, width))
-    return diff
-
-
 def median(values: Sequence[float] | dict) -> float:
     """The median of repeated measurements (or of their ``summary``)."""
     return values["median"] if isinstance(values, dict) else summary(values)["median"]
