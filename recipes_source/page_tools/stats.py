@@ -42,11 +42,12 @@ def difference(a: Sequence[float], b: Sequence[float], factor: bool = False) -> 
     the larger spread as a factor, highest over lowest."""
     first, second = summary(a), summary(b)
     effect = second["median"] - first["median"]
-    noise = max(first["spread"], second["spread"])
-    within = abs(effect) <= noise
-    if factor:
-        if min(first["min"], second["min"]) <= 0:
-            raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
+    if not factor:
+        noise = max(first["spread"], second["spread"])
+        within = abs(effect) <= noise
+    elif min(first["min"], second["min"]) <= 0:
+        raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
+    else:
         noise = max(s["max"] / s["min"] for s in (first, second))
         within = abs(math.log(second["median"] / first["median"])) <= math.log(noise)
     return {
@@ -74,9 +75,10 @@ def verdict(
     ``factor``, decided and said on the ratio scale (``difference``)."""
     diff = difference(a, b, factor)
     ma, mb = diff["a"]["median"] * scale, diff["b"]["median"] * scale
-    shown = [f"{diff[k]['spread'] * scale:.2g} {unit}" for k in "ab"]
     if factor:
         shown = [f"x{diff[k]['max'] / diff[k]['min']:.2g}" for k in "ab"]
+    else:
+        shown = [f"{diff[k]['spread'] * scale:.2g} {unit}" for k in "ab"]
     numbers = f"medians {ma:.3g} and {mb:.3g} {unit}, spreads {shown[0]} and {shown[1]}"
     if diff["within_noise"]:
         return f"{a_name} and {b_name} are within noise of each other ({numbers})", diff
