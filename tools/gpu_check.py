@@ -628,9 +628,10 @@ def run_recipe(
     tmp, cwd = scratch / "tmp", scratch / "cwd"
     tmp.mkdir()
     cwd.mkdir()
-    data = recipe_data_dirs(path.parent)
-    for folder in data:  # read by a relative path, as in the gallery's folder
+    linked = set()
+    for folder in recipe_data_dirs(path.parent):  # read by a relative path, as in the gallery
         (cwd / folder.name).symlink_to(folder, target_is_directory=True)
+        linked.add(folder.name)
     env = dict(os.environ)
     env.pop(dcp_site.STAMP_DIR_ENV, None)  # no run stamps: this is not the site build
     for name in TORCHRUN_ENV:  # a plain script: the launcher must not think torchrun started it
@@ -679,7 +680,7 @@ def run_recipe(
         result["headline"], result["claims"] = read_results(out_dir / RESULTS_SUBDIR, stem)
         result["leftovers"] = sorted(
             [f"TMPDIR/{p.name}" for p in tmp.iterdir() if not p.name.startswith(TORCH_OWN_TMP_DIRS)]
-            + [f"cwd/{p.name}" for p in cwd.iterdir() if p.name not in {d.name for d in data}]
+            + [f"cwd/{p.name}" for p in cwd.iterdir() if p.name not in linked]
             + (["processes still running after the recipe exited (stopped)"] if stray else [])
         )
         if timed_out:
