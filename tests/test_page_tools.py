@@ -1964,7 +1964,7 @@ def test_async_save_loop_times_stalls_waits_uploads_and_steps_in_flight():
     """A loop of 6 steps that saves after steps 1, 3 and 5 (the first awaited) through a
     fake async_save whose upload takes 50 ms and then waits until the test releases it:
     the timeline must see exactly that. Releases, not sleeps, decide which steps overlap
-    an upload: a loaded machine can only lengthen what the test asserts a floor on."""
+    an upload; step 5's wait, released by a timer, has 50 ms of margin for a loaded machine."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     released = [threading.Event() for _ in range(3)]
     released[0].set()  # the first upload is awaited at once
@@ -1979,8 +1979,8 @@ def test_async_save_loop_times_stalls_waits_uploads_and_steps_in_flight():
         for step in range(1, 7):
             fake_step()
             if step in (1, 3, 5):
-                if step == 5:  # step 3's upload is released 50 ms from now
-                    threading.Timer(0.05, released[1].set).start()
+                if step == 5:  # step 3's upload is released 100 ms from now
+                    threading.Timer(0.1, released[1].set).start()
                 if upload_in_flight is not None:
                     upload_in_flight.result()
                 upload_in_flight = owner.async_save(step // 2)
@@ -1993,6 +1993,7 @@ def test_async_save_loop_times_stalls_waits_uploads_and_steps_in_flight():
     assert [save.step for save in saves] == [1, 3, 5]
     assert saves[0].awaited and saves[0].blocked >= 0.05, "the first save is waited for"
     assert not saves[1].awaited and saves[1].blocked < saves[1].upload
+    # at least 100 ms less the moment between starting the timer and calling result()
     assert saves[2].waited >= 0.05, "step 5 waited for step 3's upload"
     assert all(0.05 <= save.upload < 60 for save in saves)
     busy, idle = loop.steps(in_flight=True), loop.steps(in_flight=False)
