@@ -307,24 +307,24 @@ def model_and_optimizer_of_the_fixture():
 def load_newer_checkpoint(checkpoint_dir):
     if not os.path.isdir(checkpoint_dir):
         print(f"no {checkpoint_dir} here (it is in the site's repository): skipped")
-        return None
+        return None, None
     model, optimizer = model_and_optimizer_of_the_fixture()
     state_dict = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     logging.disable(logging.WARNING)  # DCP also logs each failed metadata read
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint_dir, no_dist=True)
         print(f"torch {torch.__version__} loaded {checkpoint_dir}")
-        return "passed"
+        return "passed", None
     except CheckpointException as error:  # a BaseException: name it
         for rank, (failure, _) in error.failures.items():
             said = f"dcp.load raised CheckpointException; rank {rank}: {failure!r}"
             print(textwrap.fill(said, 78, subsequent_indent="    "))
-        return "failed"
+        return "failed", versions_matrix.error_line(failure)
     finally:
         logging.disable(logging.NOTSET)
 
 
-newer_load = run_on_one_process(load_newer_checkpoint, NEWER_CHECKPOINT)
+newer_status, load_error = run_on_one_process(load_newer_checkpoint, NEWER_CHECKPOINT)
 
 # %%
 # DCP wraps the cause, and on 2.9 to 2.11 drops it. Reading ``.metadata``
@@ -339,8 +339,8 @@ def why_it_fails(checkpoint_dir):
     except Exception as cause:
         frame = traceback.extract_tb(cause.__traceback__)[-1]
         where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} in {frame.name}"
-        print(f"read_metadata: {type(cause).__name__}: {cause}\n  raised at {where}")
-        return f"{type(cause).__name__}: {cause}"
+        print(f"read_metadata: {versions_matrix.error_line(cause)}\n  raised at {where}")
+        return versions_matrix.error_line(cause)
     print("read_metadata: read")
 
 
@@ -355,8 +355,8 @@ versions_matrix.the_matrix_says(
     "model",
     "2.15.0",
     torch.__version__.split("+")[0],
-    newer_load,
-    newer_cause,
+    newer_status,
+    [load_error, newer_cause],
 )
 
 # %%
@@ -391,12 +391,14 @@ def load_converted(path):
 
 with proofs.value_returned_by(torch, "load", where=proofs.reads_file(".pt")) as converted:
     run_on_one_process(load_converted, NEWER_CHECKPOINT + ".pt")
-fixture = versions_matrix.cross_version_script()
+# One training step, in a process of its own (autograd starts a thread per GPU)
+saved_by_newer = run_on_one_process(versions_matrix.saved_by_the_matrix_script)
 proofs.same_state(
     "converted-file-holds-what-the-newer-saved",
-    fixture.state(*fixture.model_and_optimizer(seed=0)),
+    saved_by_newer,
     converted,
     "2.15.0's .pt here vs what it saved",
+    tolerance=1e-6,  # recomputed here: another CPU rounds Adam's step in the last bits
 )
 
 # %%

@@ -135,6 +135,14 @@ def test_compare_is_bit_for_bit_and_names_what_differs():
     ).differ == ["b"]
     partial = proofs.compare(expected, {"a": expected["a"], "extra": 1})
     assert partial.missing == ["b", "lr"] and partial.unexpected == ["extra"] and not partial.equal
+    # Within a tolerance: floating-point tensors only, never another dtype, shape or value.
+    assert proofs.compare(expected, {**expected, "a": torch.ones(3) + 1e-7}, 1e-6).equal
+    assert proofs.compare(expected, {**expected, "a": torch.ones(3) + 1e-5}, 1e-6).differ == ["a"]
+    assert proofs.compare(expected, {**expected, "a": torch.ones(4)}, 1e-6).differ == ["a"]
+    doubled = {**expected, "b": torch.zeros(2, dtype=torch.float64)}
+    assert proofs.compare(expected, doubled, 1e-6).differ == ["b"]
+    steps = {"n": torch.tensor([3])}
+    assert proofs.compare(steps, {"n": torch.tensor([4])}, 2.0).differ == ["n"], "integers exact"
 
 
 def test_flatten_names_nested_state_as_dcp_does():
@@ -154,6 +162,10 @@ def test_same_state_raises_when_states_differ(capsys):
     assert "two ones: 1 tensors and 0 other values compared, 0 differ" in capsys.readouterr().out
     with pytest.raises(results.ClaimFailed, match="'unequal' does not hold"):
         proofs.same_state("unequal", {"a": torch.ones(2)}, {"a": torch.zeros(2)}, "ones vs zeros")
+    nudged = {"a": torch.ones(2) + 1e-7}
+    proofs.same_state("close", {"a": torch.ones(2)}, nudged, "recomputed", tolerance=1e-6)
+    said = "recomputed: 1 tensors and 0 other values compared, 0 differ by more than 1e-06"
+    assert said in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------
@@ -901,6 +913,17 @@ def test_a_held_copy_starts_when_the_loop_waits_for_staging(tmp_path):
     assert [c.comparison.differ for c in torn] == [["w"]] and proofs.torn(torn) == 1
     with pytest.raises(results.ClaimFailed):  # a checkpoint torn in other names than said
         proofs.every_checkpoint_torn("wrong", saved, "held", differ=["v"], but_last=True)
+    # A race: torn in some of the names said (at least one) and in no other.
+    held_only = proofs.saves_into(saved, tmp_path / "held")
+    with pytest.raises(results.ClaimFailed):  # not in exactly the names said
+        proofs.every_checkpoint_torn("all-of", held_only, "held", differ=["v", "w"])
+    proofs.every_checkpoint_torn("some-of", held_only, "held", differ=["v", "w"], raced=True)
+    with pytest.raises(results.ClaimFailed):  # in another name
+        proofs.every_checkpoint_torn("other", held_only, "held", differ=["v"], raced=True)
+    untouched = proofs.saves_into(saved, tmp_path / "upload-only")  # nothing changed after it
+    with pytest.raises(results.ClaimFailed):  # no checkpoint caught any
+        proofs.every_checkpoint_torn("none-of", untouched, "held", differ=["w"], raced=True)
+    proofs.every_checkpoint_torn("one-of-two", saved, "held", differ=["w"], raced=True)
 
 
 @ONE_PROCESS
@@ -2973,24 +2996,39 @@ def test_versions_matrix_claims_only_older_reading_newer_fails(
     assert recorded["values"]["pairs-failed"] == [f"model: {s} -> {v}" for s, v, _ in failures]
 
 
+def test_versions_matrix_error_line_is_the_matrix_first_error_line_format():
+    from page_tools import versions_matrix
+
+    assert versions_matrix.error_line(ValueError("five\nmore")) == "ValueError: five"
+    assert versions_matrix.error_line(AssertionError()) == "AssertionError"
+
+
 def test_versions_matrix_compares_what_a_page_saw_with_the_matrix(tmp_path, monkeypatch):
     from page_tools import versions_matrix
 
     monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(results.RECIPE_ENV, "some_recipe")
     matrix = _made_up_matrix([("2.3.0", "2.1.0", True)])
+    # The matrix's first error line is either of the two a page sees: dcp.load's own
+    # (torch 2.9-2.11 drop the cause) or the cause (logged first from 2.12 on).
     versions_matrix.the_matrix_says(
-        "a", matrix, "model", "2.3.0", "2.1.0", "failed", "ValueError: five"
+        "a", matrix, "model", "2.3.0", "2.1.0", "failed", ["ValueError: five", "AssertionError"]
+    )
+    versions_matrix.the_matrix_says(
+        "a2", matrix, "model", "2.3.0", "2.1.0", "failed", ["AssertionError", "ValueError: five"]
     )
     with pytest.raises(results.ClaimFailed):
-        versions_matrix.the_matrix_says("b", matrix, "model", "2.3.0", "2.1.0", "failed", "other")
+        versions_matrix.the_matrix_says(
+            "b", matrix, "model", "2.3.0", "2.1.0", "failed", ["other", None]
+        )
     with pytest.raises(results.ClaimFailed):
-        versions_matrix.the_matrix_says("c", matrix, "model", "2.3.0", "2.1.0", "passed", None)
-    versions_matrix.the_matrix_says("d", matrix, "model", "2.3.0", "9.9.9", "passed", None)
+        versions_matrix.the_matrix_says("c", matrix, "model", "2.3.0", "2.1.0", "passed", [])
+    versions_matrix.the_matrix_says("d", matrix, "model", "2.3.0", "9.9.9", "passed", [])
     # No checkpoint saved by 2.3.0 to load (a download run without the site's files).
-    versions_matrix.the_matrix_says("e", matrix, "model", "2.3.0", "2.1.0", None, None)
+    versions_matrix.the_matrix_says("e", matrix, "model", "2.3.0", "2.1.0", None, [None])
     claims = json.loads((tmp_path / "some_recipe.json").read_text())["claims"]
-    assert claims["a"]["held"] is True and claims["d"]["held"] is None
+    assert claims["a"]["held"] is True and claims["a2"]["held"] is True
+    assert claims["d"]["held"] is None
     assert claims["e"]["held"] is None and "saved by 2.3.0" in claims["e"]["said"]
 
 

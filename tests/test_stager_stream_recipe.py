@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 
 import pytest
+from page_tools import proofs
 from recipe_runner import (
     assert_no_traceback,
     assert_ok,
@@ -60,9 +61,12 @@ def test_the_stream_race_is_torn_in_weights_and_moments_on_a_gpu(built):
         assert built["claims"]["no-stream-no-race"]["held"] is True
         return
     assert outcome["held"] is True and outcome["evidence"]["devices"] == ["cuda"]
+    # Some checkpoint caught some of the 12 weights, biases and moments before the step
+    # (which and how many, the race decides: all 12 in most), and none a step counter.
     differ = outcome["evidence"]["differ"]
-    assert len(differ) == RACING and all(len(names) == 12 for names in differ)
-    assert not any(name.endswith(".step") for names in differ for name in names)
+    assert len(differ) == RACING and any(differ) and all(len(names) <= 12 for names in differ)
+    racing = proofs.named("weight", "bias", "exp_avg", "exp_avg_sq")
+    assert all(racing(name) for names in differ for name in names)
 
 
 def test_the_torchrun_saves_had_a_writer_that_copies_nothing_ahead(built):
@@ -75,8 +79,12 @@ def test_the_headline_is_the_stream_race_kind_by_kind(built):
     assert list(headline) == HEADLINE
     assert headline["checkpoints"] == RACING and headline["torn with sync"] == 0
     on_gpu = built["claims"]["stream-race-torn-without-sync"]["held"] is True
-    expected = [RACING, 4, 8, 0] if on_gpu else [0, 0, 0, 0]
-    assert [headline[name] for name in HEADLINE[1:2] + HEADLINE[3:]] == expected
+    torn, weights, moments, counters = [headline[name] for name in HEADLINE[1:2] + HEADLINE[3:]]
+    if on_gpu:  # of 4 weights and biases and 8 moments, those some checkpoint caught
+        assert 0 < torn <= RACING and weights + moments > 0 and weights <= 4 and moments <= 8
+    else:
+        assert torn == weights == moments == 0
+    assert counters == 0
 
 
 def test_the_page_shows_what_the_build_decided():
