@@ -185,7 +185,11 @@ sys.exit(0)  # no upload.result()
 
 def save_and_exit(checkpoint_dir):
     script = [sys.executable, "-c", SAVE_AND_EXIT, checkpoint_dir]
-    exited = subprocess.run(script, capture_output=True, text=True, timeout=120, check=True)
+    # It saves a CPU tensor: no GPU (a visible one gets a CUDA context from DCP's writer).
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    exited = subprocess.run(
+        script, capture_output=True, text=True, timeout=120, check=True, env=cpu_only
+    )
     print(exited.stdout.strip())
     print(f"after the exit, {os.path.basename(checkpoint_dir)}/ is complete: ", end="")
     print(is_complete(checkpoint_dir))

@@ -189,11 +189,11 @@ def the_matrix_says(
     saved_by: str,
     loaded_by: str,
     status: str | None,
-    errors: list[str | None],
+    errors: list[BaseException | str | None],
 ) -> None:
     """Decide that what a page just saw is what the matrix measured for that pair: the same
     status, and where it failed, the matrix's first error line among the errors the page saw
-    (``dcp.load``'s own and its cause: the matrix's is the first traceback the run printed,
+    (exceptions or their ``error_line``; ``dcp.load``'s own and its cause: the matrix's is the first traceback the run printed,
     the cause where DCP logs it, 2.12 on, its own ``AssertionError`` where it drops it,
     2.9 to 2.11). Not decided where the matrix has no such release, nor where the page had
     no such checkpoint to load (``status`` None: its download run elsewhere)."""
@@ -204,7 +204,7 @@ def the_matrix_says(
     if found is None:
         results.not_measured_here(claim, f"the matrix has no {kind} pair {saved_by} -> {loaded_by}")
         return
-    seen = [error for error in errors if error]
+    seen = [error if isinstance(error, str) else error_line(error) for error in errors if error]
     held = found["status"] == status and (status == "passed" or found.get("error") in seen)
     matching = found.get("error") if found.get("error") in seen else (seen or [None])[0]
     results.claim(
