@@ -148,6 +148,7 @@ PERFORMANCE_PAGES = (
     "default_stager_recipe",
     "checkpoint_stall_benchmark",
     "save_load_speed_recipe",
+    "stager_copies_recipe",
     "object_storage_async_recipe",
     "torch_checkpointing_recipe",
 )

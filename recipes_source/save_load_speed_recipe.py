@@ -5,9 +5,9 @@ Fast saves and loads: the knobs, measured
 "Why is my save so slow?" has an answer only next to the machine's own limits.
 This recipe measures how fast this machine writes, syncs and reads a
 checkpoint's raw bytes, then times ``dcp.save`` and ``dcp.load`` with every
-``FileSystemWriter`` and planner knob, in safetensors, read in place, and with
-torch_checkpointing, each as a fraction of those limits; it saves a replicated
-(DDP) model, and follows host memory over 20 saves with three strategies.
+``FileSystemWriter`` and planner knob, in safetensors (with a writer and a reader
+of its own that stream each tensor's bytes), and with torch_checkpointing, each as
+a fraction of those limits; and it saves a replicated (DDP) model.
 
 .. grid:: 2
 
@@ -17,9 +17,9 @@ torch_checkpointing, each as a fraction of those limits; it saves a replicated
        * Time ``dcp.save`` and loads from storage and from the page cache
        * What ``thread_count``, ``single_file_per_rank``, ``sync_files``,
          ``enable_plan_caching`` and safetensors buy, against the disk's limits
-       * A ``StorageReader`` that reads each tensor straight into the model's
+       * A ``StorageWriter`` that writes each tensor from its own memory, and a
+         ``StorageReader`` that reads each straight into the model's
        * Who writes replicated tensors, with ``dedup_save_to_lowest_rank``
-       * Whether host memory grows over 20 saves, with three strategies
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
        :class-card: card-prerequisites
@@ -42,18 +42,19 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from page_tools import disk, figures, machine, memory, proofs, reads, results, speeds, stats, timing
+from page_tools import disk, figures, machine, proofs, reads, results, speeds, stats, timing
 from rank_launcher import run_on_ranks, shared_tempdir
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.serialization import config as serialization_config
@@ -84,7 +85,7 @@ def model_shape(size_mb):
 
 WIDTH, DEPTH = model_shape(SIZE_MB)
 LR = 1e-2
-SECTION_SHAPE = model_shape(min(SIZE_MB, 64))  # for replicas and 20 saves: 64 MB at most
+SECTION_SHAPE = model_shape(min(SIZE_MB, 64))  # for the replicated section: 64 MB at most
 
 
 class ToyModel(nn.Module):
@@ -161,7 +162,7 @@ SAVE_OPTIONS = {
     "compute_crc32=False": {"compute_crc32": False},
     "thread_count=4, compute_crc32=False": {"thread_count": 4, "compute_crc32": False},
     "safetensors": {"format": "safetensors"},
-    "safetensors, read in place": {"format": "safetensors", "in_place": True},
+    "safetensors, streamed": {"format": "safetensors", "streamed": True},
     "torch_checkpointing": {"format": "torch_checkpointing"},
 }
 NO_FSYNC = "sync_files=False"  # not durable: never the fastest save
@@ -173,11 +174,14 @@ def save(
     enable_plan_caching=False,
     format="torch.save",
     compute_crc32=True,
+    streamed=False,
     **options,
 ):
     if format == "torch_checkpointing":
         return save_with_torch_checkpointing(model, checkpoint_dir)
-    if format == "safetensors":  # each rank writes its own shards, then fsync
+    if streamed:  # the pair below: 4 threads, a file each
+        writer = StreamingSafetensorsWriter(checkpoint_dir, thread_count=4)
+    elif format == "safetensors":  # each rank writes its own shards, then fsync
         writer = dcp.HuggingFaceStorageWriter(checkpoint_dir, save_distributed=True)
     else:
         writer = FileSystemWriter(checkpoint_dir, **options)
@@ -186,11 +190,11 @@ def save(
         dcp.save({"model": model.state_dict()}, storage_writer=writer, planner=planner)
 
 
-def load(model, checkpoint_dir, format="torch.save", in_place=False, **save_options):
+def load(model, checkpoint_dir, format="torch.save", streamed=False, **save_options):
     if format == "torch_checkpointing":
         return load_with_torch_checkpointing(model, checkpoint_dir)
     reader = {"safetensors": dcp.HuggingFaceStorageReader, "torch.save": dcp.FileSystemReader}
-    reader = InPlaceSafetensorsReader if in_place else reader[format]
+    reader = InPlaceSafetensorsReader if streamed else reader[format]
     state_dict = {"model": model.state_dict()}
     dcp.load(state_dict, storage_reader=reader(checkpoint_dir))  # into the model's shards
     model.load_state_dict(state_dict["model"])
@@ -199,10 +203,56 @@ def load(model, checkpoint_dir, format="torch.save", in_place=False, **save_opti
 # %%
 # Three rows change the format. ``HuggingFaceStorageWriter`` writes safetensors,
 # raw bytes after a JSON header (``torch.save`` wraps each tensor in a record that
-# ``torch.load`` reads into a new tensor, then copied into yours); its reader copies
-# each once from a mapped file, the one below reads each straight into its target.
+# ``torch.load`` reads into a new tensor, then copied into yours), but builds each
+# file in memory first, in one thread; its reader copies each tensor once from a
+# mapped file. The pair below writes from each tensor's own memory, a file and an
+# ``fsync`` per thread, and reads each tensor straight into its target.
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
+    def __init__(self, path, thread_count=4):
+        super().__init__(path, thread_count=thread_count, save_distributed=True)
+
+    def write_data(self, plan, planner):  # tensors only, as safetensors holds
+        if not plan.items:
+            return super().write_data(plan, planner)
+        items = sorted(plan.items, key=lambda item: item.tensor_storage_size(), reverse=True)
+        rank, n = plan.storage_data["shard_index"], min(self.thread_count, len(plan.items))
+        with ThreadPoolExecutor(n) as pool:  # bucket i: items i, i + n, ...: alike in size
+            files = [pool.submit(self.write_file, rank, i, items[i::n], planner) for i in range(n)]
+            future = torch.futures.Future()
+            future.set_result([result for file in files for result in file.result()])
+        return future
+
+    def write_file(self, rank, i, items, planner):
+        tensors = [planner.resolve_data(item).detach().cpu().contiguous() for item in items]
+        header, end = {}, 0
+        for item, tensor in zip(items, tensors, strict=True):
+            start, end = end, end + tensor.nbytes
+            dtype, shape = SAFETENSORS_NAMES[tensor.dtype], list(tensor.shape)
+            header[item.index.fqn] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
+        shards = {
+            it.index.fqn: {"saved_offsets": list(it.tensor_data.chunk.offsets)} for it in items
+        }
+        header["__metadata__"] = {"DCP_SHARDING_INFO": json.dumps(shards)}  # what the reader reads
+        encoded = json.dumps(header).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        name = f"rank{rank}-{i}.safetensors"
+        with open(os.path.join(self.path, name), "wb", buffering=0) as file:
+            file.write(len(encoded).to_bytes(8, "little") + encoded)
+            for tensor in tensors:
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy
+                while data:  # a write may take fewer bytes than it was given
+                    data = data[file.write(data) :]
+            os.fsync(file.fileno())
+        spans = [header[item.index.fqn]["data_offsets"] for item in items]
+        where = [_StorageInfo(name, 8 + len(encoded) + a, b - a) for a, b in spans]
+        return [WriteResult(it.index, w.length, w) for it, w in zip(items, where, strict=True)]
+
+
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 class InPlaceSafetensorsReader(dcp.HuggingFaceStorageReader):
@@ -452,130 +502,25 @@ speeds.claim_written_once("replicated-tensors-written-once-split-as-said", REPLI
 speeds.replicated_table(REPLICATED, REPEATS)
 
 # %%
-# Host memory over 20 saves
-# -------------------------
-# Reports of "host memory grows with every async save" are common. Each rank
-# saves a model (64 MB at most) 20 times with each of three strategies and reads
-# its resident memory (RSS) once each save is on disk: ``dcp.save`` writes from
-# the model's tensors; ``async_save`` copies into new host memory, a reused
-# ``DefaultStager`` into the same buffers, every time.
-#
-# .. versionadded:: 2.9
-#    ``DefaultStager`` and ``StagingOptions``.
-
-STRATEGIES = ("dcp.save", "async_save", "async_save + reused DefaultStager")
-SAVES = 20
-
-
-def staging_options(use_async_staging, checkpoint_process=False):
-    """How every save on this page stages its copy, chosen from the machine."""
-    on_gpu = torch.accelerator.is_available()
-    return StagingOptions(
-        use_pinned_memory=on_gpu,  # page-locked memory only speeds up copies from a device
-        use_shared_memory=checkpoint_process,  # only a checkpoint *process* reads it in place
-        use_async_staging=use_async_staging,
-        use_non_blocking_copy=on_gpu,
-    )
-
-
-# %%
-
-
-def save_twenty_times(strategy, checkpoint_root):
-    torch.manual_seed(0)
-    model = ToyModel(*SECTION_SHAPE).to(device_for_this_rank())
-    fully_shard(model)
-    group = dist.new_group(backend="gloo")  # background saves: a group of their own
-    reuse = "DefaultStager" in strategy
-    stager = DefaultStager(staging_options(use_async_staging=True)) if reuse else None
-    process = psutil.Process()
-    rss_before, rss, previous = process.memory_info().rss, [], None
-    for save_number in range(1, SAVES + 1):
-        path = os.path.join(checkpoint_root, strategy.replace(" ", "-"), f"save-{save_number}")
-        state_dict = {"model": model.state_dict()}
-        if strategy == "dcp.save":
-            dcp.save(state_dict, checkpoint_id=path, process_group=group)
-        elif stager is None:
-            dcp.async_save(state_dict, checkpoint_id=path, process_group=group).result()
-        else:
-            if torch.accelerator.is_available():
-                torch.accelerator.current_stream().synchronize()  # the stager does not wait
-            writer = FileSystemWriter(path, per_thread_copy_ahead=0)  # host copy: no GPU 0 context
-            response = dcp.async_save(
-                state_dict, storage_writer=writer, process_group=group, async_stager=stager
-            )
-            response.upload_completion.result()  # a training loop would train meanwhile
-        rss.append(process.memory_info().rss)
-        if previous is not None and dist.get_rank() == 0:
-            shutil.rmtree(previous)  # keep the latest checkpoint only
-        previous = path
-    if stager is not None:
-        stager.close()
-    dist.destroy_process_group(group)
-    rss_at_end = process.memory_info().rss
-    gc.collect()
-    rss_after_gc = process.memory_info().rss
-    load(model, previous)  # resume from the latest checkpoint
-    shown = {f"save {n}": rss[n - 1] for n in (1, SAVES // 2, SAVES)} | {"gc": rss_after_gc}
-    print(f"{strategy}: RSS above the start, MB")
-    print("  after " + ", ".join(f"{at} {(r - rss_before) / 1e6:+.1f}" for at, r in shown.items()))
-    shard_bytes = sum(p.to_local().nbytes for p in model.parameters())
-    rss_at = {"rss_before": rss_before, "rss": rss, "rss_at_end": rss_at_end}
-    return {"bytes": shard_bytes, **rss_at, "rss_after_gc": rss_after_gc}
-
-
-# %%
-# The page reads glibc's heap counters whenever the recipe reads its RSS:
-
-with (
-    memory.heap_at(psutil.Process, "memory_info") as heap,
-    proofs.checkpoints_checked(dcp, where=proofs.checkpoint_matches(f"/save-{SAVES}$")) as checked,
-):
-    memory_runs = {s: run_on_ranks(save_twenty_times, s, f"{WORK_DIR}/rss") for s in STRATEGIES}
-proofs.loads_match_saves("memory-checkpoints-load-back", checked, f"save {SAVES}, resumed")
-
-# %%
-# Does RSS grow? The first saves fill caches and pools: the page compares saves
-# 6-10 with 16-20, and a difference within either window's spread is noise.
-# One copy of a rank's share held after the save is no leak: the reused stager
-# keeps it on purpose, plain ``async_save`` or glibc keep the last (``gc.collect()``).
-
-MEMORY = results.record("memory", memory.summarize(memory_runs, heap))
-results.record("memory_runs", memory_runs)
-memory.table(MEMORY, SAVES)
-
-# %%
-# Where glibc's heap changed from save 6 to 20, on that rank. Growth *in use*:
-# something keeps each staged copy alive (a list of futures: drop them, or reuse
-# a ``DefaultStager``); *free kept*: glibc keeps freed buffers (reuse a stager,
-# or start the job with ``MALLOC_MMAP_THRESHOLD_=1048576``).
-
-memory.heap_table({strategy: m["heap_change"] for strategy, m in MEMORY.items()})
-
-# %%
-# RSS above the start after each save, on the rank that is highest there:
-
-figures.save_with_results(memory.rss_figure(memory_runs, machine.title(WORK_DIR)))
-
-# %%
 # The advice for this machine
 # ---------------------------
-# The best save and load, against their limits, and the largest growth of host
-# memory. A ``FileSystemWriter`` thread serializes a tensor, then writes it.
+# The best save and load, against their limits. A ``FileSystemWriter`` thread
+# serializes a tensor, then writes it.
 
 MACHINE = results.record(
     "machine",
     machine.describe(WORK_DIR) | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE]),
 )
-HEADLINE = results.record("headline", speeds.headline(KNOBS, LIMITS, MEMORY, [NO_FSYNC]))
+HEADLINE = results.record("headline", speeds.headline(KNOBS, LIMITS, [NO_FSYNC]))
 ON = f"{SIZE_MB:g} MB on {MACHINE['cores']} cores, torch {torch.__version__}"
-speeds.best_table(HEADLINE, LIMITS, MEMORY, caption=ON)
+speeds.best_table(HEADLINE, LIMITS, caption=ON)
 
 # %%
 # Each knob against the defaults (saves; the safetensors rows' loads too): it
 # bought something only where the difference is larger than either spread.
 
-ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", "safetensors, read in place"))
+STREAMED = "safetensors, streamed"
+ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", STREAMED))
 results.record("advice", ADVICE)
 figures.Table(["against the defaults", "verdict", "difference"], ADVICE)
 
@@ -590,4 +535,5 @@ print(f"removed {WORK_DIR}: {not os.path.exists(WORK_DIR)}")
 # What to read next
 # -----------------
 # * :ref:`sphx_glr_recipes_checkpoint_stall_benchmark.py`: what each strategy costs a loop.
-# * :doc:`/troubleshooting`: symptoms and fixes, host memory that grows too.
+# * :ref:`sphx_glr_recipes_stager_copies_recipe.py`: host memory over 20 saves, three ways.
+# * :doc:`/troubleshooting`: symptoms and fixes for the usual DCP failures.

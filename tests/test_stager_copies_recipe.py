@@ -8,8 +8,11 @@ as a reader runs it: what is not a race must come out as on the page.
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from recipe_runner import (
+    RESULTS,
     assert_no_traceback,
     assert_ok,
     build_results,
@@ -18,6 +21,9 @@ from recipe_runner import (
 )
 
 RECIPE = "stager_copies_recipe"
+STRATEGIES = ["dcp.save", "async_save", "async_save + reused DefaultStager"]
+SAVES = 20
+RSS_LINE = r"^\[rank\d\] (.+): RSS above the start, MB$"
 # What is the same whoever wins the race: the int and the copy of the dict.
 FIXED_AT_THE_CALL = (
     r"^\[rank0\] passed dict\(progress\): the loop now has step=4, progress=\{.*\}\n"
@@ -70,6 +76,51 @@ def test_the_default_options_need_an_accelerator(claims):
     assert raised == [None] or raised[0].startswith("AssertionError: Non-blocking copy")
 
 
+@pytest.fixture(scope="module")
+def values():
+    return build_results(RECIPE)["values"]
+
+
+def test_memory_growth_and_its_verdict_follow_from_the_raw_rss(values):
+    for strategy in STRATEGIES:
+        runs, summary = values["memory_runs"][strategy], values["memory"][strategy]
+        assert all(len(run["rss"]) == SAVES and run["rss_before"] > 0 for run in runs)
+        growth = []
+        for run in runs:  # saves 6-10 against saves 16-20, medians, per save between them
+            early, late = run["rss"][5:10], run["rss"][15:]
+            effect = statistics.median(late) - statistics.median(early)
+            noise = max(max(early) - min(early), max(late) - min(late))
+            growth.append((effect / 10, noise / 10))
+        rank = max(range(len(runs)), key=lambda r: growth[r][0])
+        assert summary["rank"] == rank
+        assert (summary["per_save"], summary["noise_per_save"]) == pytest.approx(growth[rank])
+        within = abs(growth[rank][0]) <= growth[rank][1]
+        assert summary["verdict"] == (
+            "within noise" if within else "grows" if growth[rank][0] > 0 else "shrinks"
+        )
+        assert summary["held"] == runs[rank]["rss"][-1] - runs[rank]["rss_before"]
+        assert len(summary["heap"]) == SAVES, "glibc's counters at every RSS reading"
+
+
+def test_the_memory_headline_is_the_strategy_that_grew_most(claims, values):
+    memory = values["memory"]
+    grew_most = max(memory, key=lambda name: memory[name]["per_save"])
+    assert values["headline"] == pytest.approx(
+        {
+            "most_rss_growth": grew_most,
+            "rss_growth_MB_per_save": memory[grew_most]["per_save"] / 1e6,
+            "rss_growth_of_share": memory[grew_most]["per_save"] / memory[grew_most]["share"],
+        }
+    )
+    ranks = len(values["memory_runs"]["dcp.save"])
+    evidence = claims["memory-checkpoints-load-back"]["evidence"]
+    assert (evidence["checkpoints"], evidence["loads"]) == (
+        len(STRATEGIES),
+        len(STRATEGIES) * ranks,
+    )
+    assert (RESULTS / f"{RECIPE}.png").read_bytes().startswith(b"\x89PNG"), "the RSS figure"
+
+
 @pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """Without the page's holds the dict passed by reference is a race; the rest is not."""
@@ -78,6 +129,7 @@ def test_download_computes_what_the_page_shows(recipe_runner):
     assert numbers_in(output, FIXED_AT_THE_CALL) == numbers_in(shown, FIXED_AT_THE_CALL) != []
     assert sorted(numbers_in(output, UPLOAD_RAISED)) == ["0", "1"]
     assert "saved clones of the weights twice: ['save-0', 'save-1']" in output
+    assert sorted(numbers_in(output, RSS_LINE)) == sorted(numbers_in(shown, RSS_LINE)) != []
     # In the recipe's cell and in main(), run as torchrun would run it.
     assert output.count("[rank0] saved the live weights twice: ['save-0', 'save-1']") == 2
     assert "page_tools" not in output and "differ" not in output, "the proofs are the build's"
@@ -93,5 +145,6 @@ def test_download_under_torchrun(recipe_runner):
     assert len(numbers_in(output, FIXED_AT_THE_CALL)) == 2
     assert output.count("[rank0] saved the live weights twice: ['save-0', 'save-1']") == 2
     assert sorted(numbers_in(output, UPLOAD_RAISED)) == ["0", "1"]
+    assert sorted(set(numbers_in(output, RSS_LINE))) == sorted(STRATEGIES)
     assert_no_traceback(output)
     assert recipe_runner.leftovers() == []

@@ -489,6 +489,18 @@ def grew_most(summaries: dict[str, dict]) -> str:
     return max(summaries, key=lambda strategy: summaries[strategy]["per_save"])
 
 
+def headline(summaries: dict[str, dict]) -> dict:
+    """The strategy (of ``summarize``) whose RSS grew most per save, and that growth in MB
+    and as a fraction of a rank's share of the checkpoint."""
+    most = grew_most(summaries)
+    per_save = summaries[most]["per_save"]
+    return {
+        "most_rss_growth": most,
+        "rss_growth_MB_per_save": per_save / 1e6,
+        "rss_growth_of_share": per_save / summaries[most]["share"],
+    }
+
+
 def resident_bytes(process: psutil.Process, children: list[psutil.Process]) -> int:
     """``process``'s resident memory plus its ``children``'s private (resident, not shared)."""
     total = process.memory_info().rss

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from page_tools import disk, figures, memory, results, stats
+from page_tools import disk, figures, results, stats
 
 
 def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
@@ -19,12 +19,10 @@ def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
     return max((n for n in knobs if n not in leave_out), key=lambda n: stats.median(knobs[n][key]))
 
 
-def headline(knobs: dict, limits: dict, memory_found: dict, not_durable: Sequence[str]) -> dict:
+def headline(knobs: dict, limits: dict, not_durable: Sequence[str]) -> dict:
     """The best durable save and the best cold load, in GB/s and as fractions of the write +
-    fsync and read-from-storage limits; the largest RSS growth per save (``memory.summarize``),
-    in MB and as a fraction of a rank's share; and which knob or strategy each is."""
+    fsync and read-from-storage limits, and which knob each is."""
     save, load = best(knobs, "save_GBps", not_durable), best(knobs, "cold_load_GBps")
-    grew_most = memory.grew_most(memory_found)
     save_gbps = stats.median(knobs[save]["save_GBps"])
     load_gbps = stats.median(knobs[load]["cold_load_GBps"])
     return {
@@ -34,17 +32,12 @@ def headline(knobs: dict, limits: dict, memory_found: dict, not_durable: Sequenc
         "best_load": load,
         "best_load_GBps": load_gbps,
         "best_load_of_limit": load_gbps / limits["limit"]["read_storage"],
-        "most_rss_growth": grew_most,
-        "rss_growth_MB_per_save": memory_found[grew_most]["per_save"] / 1e6,
-        "rss_growth_of_share": memory_found[grew_most]["per_save"]
-        / memory_found[grew_most]["share"],
     }
 
 
-def best_table(found: dict, limits: dict, memory_found: dict, caption: str) -> figures.Table:
+def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
     """``headline``'s numbers as a table, with what one writer and one reader thread of
     ``FileSystemWriter`` / ``FileSystemReader`` can reach at most (``disk.one_thread``)."""
-    verdict = memory_found[found["most_rss_growth"]]["verdict"]
     rows = [
         ["best save", found["best_save"], f"{found['best_save_GBps']:.2f} GB/s"]
         + [f"{found['best_save_of_limit']:.2f} of write + fsync"],
@@ -58,9 +51,6 @@ def best_table(found: dict, limits: dict, memory_found: dict, caption: str) -> f
         + [""],
         ["one reader thread", "reads, then deserializes"]
         + [f"at most {disk.one_thread(limits, 'torch_load', 'read_storage'):.2f} GB/s", ""],
-        ["most RSS growth", found["most_rss_growth"]]
-        + [f"{found['rss_growth_MB_per_save']:+.2f} MB/save"]
-        + [f"{found['rss_growth_of_share']:+.2%} of a share: {verdict}"],
     ]
     return figures.Table(["", "with", "measured", ""], rows, caption=caption)
 

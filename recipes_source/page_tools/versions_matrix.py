@@ -193,10 +193,11 @@ def the_matrix_says(
 ) -> None:
     """Decide that what a page just saw is what the matrix measured for that pair: the same
     status, and where it failed, the matrix's first error line among the errors the page saw
-    (exceptions or their ``error_line``; ``dcp.load``'s own and its cause: the matrix's is the first traceback the run printed,
-    the cause where DCP logs it, 2.12 on, its own ``AssertionError`` where it drops it,
-    2.9 to 2.11). Not decided where the matrix has no such release, nor where the page had
-    no such checkpoint to load (``status`` None: its download run elsewhere)."""
+    (exceptions, or their ``error_line``): ``dcp.load``'s own and its cause. The matrix's is
+    the first traceback its run printed: the cause, which DCP logs from 2.12 on, or DCP's
+    own ``AssertionError`` on 2.9 to 2.11, which drop the cause. Not decided where the
+    matrix has no such release, nor where the page had no such checkpoint to load
+    (``status`` None: its download run elsewhere)."""
     if status is None:
         results.not_measured_here(claim, f"no {kind} checkpoint saved by {saved_by} here")
         return
