@@ -332,6 +332,7 @@ def test_dry_run_records_each_recipe(dry_run):
     assert sorted(p.name for p in (out / "results").iterdir()) == [
         "failing_recipe.json",
         f"{REAL}.json",
+        f"{REAL}.png",  # its figure, saved with its results
     ], "each recipe's results file, and no earlier run's"
 
 
@@ -340,7 +341,10 @@ def test_dry_run_prints_one_line_per_recipe_and_the_total(dry_run):
     table = result.stdout[result.stdout.index("\nrecipe ") + 1 :].splitlines()
     assert re.fullmatch(r"recipe +seconds +result", table[0])
     gpus = r"  \| GPUs: (not measured \(no nvidia-smi\)|no process of the recipe seen.*)"
-    assert re.fullmatch(REAL + r" +\d+\.\d +pass  \| claims: 10 held" + gpus, table[1])
+    headline = (
+        r"  \| most_rss_growth [^|]+, rss_growth_MB_per_save [^|]+, rss_growth_of_share [^|]+"
+    )
+    assert re.fullmatch(REAL + r" +\d+\.\d +pass  \| claims: 11 held" + headline + gpus, table[1])
     assert re.fullmatch(
         r"failing_recipe +\d+\.\d +fail \(exit status 1\)"
         r"  \| claims: 1 held  \| stall_ms 12\.5" + gpus,

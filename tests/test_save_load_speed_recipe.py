@@ -11,9 +11,13 @@ nothing is replicated.
 
 from __future__ import annotations
 
+import ast
+import os
 import statistics
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from page_tools import results as page_results
 from recipe_runner import (
     HTML,
@@ -24,6 +28,7 @@ from recipe_runner import (
     numbers_in,
     page_outputs,
     parsed_html,
+    recipe_path,
 )
 
 RECIPE = "save_load_speed_recipe"
@@ -272,6 +277,53 @@ def test_claims_hold_on_one_rank_where_nothing_is_replicated(recipe_runner, monk
     assert results["values"]["limits"]["ranks"] == 1
     assert checkpoint_files_in_repo() == []
     assert recipe_runner.leftovers() == []
+
+
+def _page_definitions(*names: str) -> dict:
+    """The page's imports and the named definitions (classes, functions, constants), run."""
+    body = [
+        node
+        for node in ast.parse(recipe_path(RECIPE).read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and getattr(node, "module", None) not in ("page_tools", "rank_launcher")
+        or getattr(node, "name", None) in names
+        or isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) in names for t in node.targets)
+    ]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=body, type_ignores=[]), "page", "exec"), namespace)
+    return namespace
+
+
+def test_the_streamed_writer_writes_safetensors_that_both_readers_read(tmp_path):
+    page = _page_definitions(
+        "StreamingSafetensorsWriter",
+        "InPlaceSafetensorsReader",
+        "fits",
+        "SAFETENSORS_DTYPES",
+        "SAFETENSORS_NAMES",
+    )
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    state = {
+        "w": torch.randn(300, 7),
+        "half": torch.randn(3, 3).half(),
+        "brain": torch.randn(5).bfloat16(),
+        "empty": torch.zeros(0),
+        "big": torch.randn(64, 64),
+    }
+    writer = page["StreamingSafetensorsWriter"](str(tmp_path), thread_count=4)
+    dcp.save({"m": state}, storage_writer=writer, no_dist=True)
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 4 and all(name.endswith(".safetensors") for name in files)
+    in_files = {k: v for name in files for k, v in load_file(tmp_path / name).items()}
+    assert sorted(in_files) == sorted(f"m.{name}" for name in state), "each tensor once"
+    assert all(torch.equal(in_files[f"m.{k}"], v) for k, v in state.items()), "plain safetensors"
+    for reader in (dcp.HuggingFaceStorageReader, page["InPlaceSafetensorsReader"]):
+        target = {"m": {k: torch.full_like(v, float("nan")) for k, v in state.items()}}
+        dcp.load(target, storage_reader=reader(str(tmp_path)), no_dist=True)
+        assert all(torch.equal(target["m"][k], v) for k, v in state.items()), reader
 
 
 def test_too_few_repeats_is_a_clear_error(recipe_runner):
