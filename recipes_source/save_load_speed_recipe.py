@@ -219,14 +219,14 @@ class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
         if not plan.items:
             return super().write_data(plan, planner)
         items = sorted(plan.items, key=lambda item: item.tensor_storage_size(), reverse=True)
-        rank, n = plan.storage_data["shard_index"], min(self.thread_count, len(plan.items))
+        shard, n = plan.storage_data["shard_index"], min(self.thread_count, len(plan.items))
         with ThreadPoolExecutor(n) as pool:  # bucket i: items i, i + n, ...: alike in size
-            files = [pool.submit(self.write_file, rank, i, items[i::n], planner) for i in range(n)]
+            files = [pool.submit(self.write_file, shard, i, items[i::n], planner) for i in range(n)]
             future = torch.futures.Future()
             future.set_result([result for file in files for result in file.result()])
         return future
 
-    def write_file(self, rank, i, items, planner):
+    def write_file(self, shard, i, items, planner):
         tensors = [planner.resolve_data(item).detach().cpu().contiguous() for item in items]
         header, end = {}, 0
         for item, tensor in zip(items, tensors, strict=True):
@@ -239,7 +239,7 @@ class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
         header["__metadata__"] = {"DCP_SHARDING_INFO": json.dumps(shards)}  # what the reader reads
         encoded = json.dumps(header).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        name = f"rank{rank}-{i}.safetensors"
+        name = f"shard-{shard}-{i}.safetensors"  # shard_index: 1 for rank 0, 2 for rank 1, ...
         with open(os.path.join(self.path, name), "wb", buffering=0) as file:
             file.write(len(encoded).to_bytes(8, "little") + encoded)
             for tensor in tensors:
