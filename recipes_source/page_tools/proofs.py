@@ -759,8 +759,8 @@ def every_checkpoint_torn(
     differs: in exactly the names ``differ`` lists, or, if it is a function, in exactly the
     tensors it accepts (and in no other value). ``only_on`` as for ``every_checkpoint_as_saved``.
     ``raced``: a race decides which of them each checkpoint caught before they changed (on
-    an H200, 12, 6 or none of 12 in one run): at least one checkpoint differs, each only in
-    some of them, and none in any other value.
+    an H200, in four runs of 5 checkpoints: all 12 names, 6 of them, or none): at least one
+    checkpoint differs, each only in some of them, and none in any other value.
     """
     checked = checkpoints_against_saves(saves, but_first, but_last)
     what = what or _folder(checked)
