@@ -18,7 +18,7 @@ a fraction of those limits; and it saves a replicated (DDP) model.
        * What ``thread_count``, ``single_file_per_rank``, ``sync_files``,
          ``enable_plan_caching`` and safetensors buy, against the disk's limits
        * A ``StorageWriter`` that writes each tensor from its own memory, and a
-         ``StorageReader`` that reads each straight into the model's
+         ``StorageReader`` that reads each straight into the model's tensors
        * Who writes replicated tensors, with ``dedup_save_to_lowest_rank``
 
     .. grid-item-card:: :octicon:`list-unordered;1em;` Prerequisites
@@ -150,7 +150,7 @@ disk.table(LIMITS)
 # ``DefaultSavePlanner(enable_plan_caching=True)``: a save whose state dict has
 # the previous save's structure reuses its global plan; ``compute_crc32=False``:
 # ``torch.save`` skips each record's CRC-32, which ``torch.load`` never checks (the
-# last row adds 4 threads).
+# row after it adds 4 threads). The last three rows change the format (below).
 
 SAVE_OPTIONS = {
     "defaults": {},
@@ -205,10 +205,12 @@ def load(model, checkpoint_dir, format="torch.save", streamed=False, **save_opti
 # raw bytes after a JSON header (``torch.save`` wraps each tensor in a record that
 # ``torch.load`` reads into a new tensor, then copied into yours), but builds each
 # file in memory first, in one thread; its reader copies each tensor once from a
-# mapped file. The pair below writes from each tensor's own memory, a file and an
-# ``fsync`` per thread, and reads each tensor straight into its target.
+# mapped file. The pair below, the row "safetensors, streamed", writes from each
+# tensor's own memory with 4 threads, a file and an ``fsync`` each (as the
+# ``thread_count=4`` row's writer), and reads each tensor straight into its target.
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
@@ -227,7 +229,7 @@ class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
         return future
 
     def write_file(self, shard, i, items, planner):
-        tensors = [planner.resolve_data(item).detach().cpu().contiguous() for item in items]
+        tensors = [planner.resolve_data(item).detach() for item in items]
         header, end = {}, 0
         for item, tensor in zip(items, tensors, strict=True):
             start, end = end, end + tensor.nbytes
@@ -242,17 +244,15 @@ class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
         name = f"shard-{shard}-{i}.safetensors"  # shard_index: 1 for rank 0, 2 for rank 1, ...
         with open(os.path.join(self.path, name), "wb", buffering=0) as file:
             file.write(len(encoded).to_bytes(8, "little") + encoded)
-            for tensor in tensors:
-                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # no copy
+            for tensor in tensors:  # to the host one at a time (from a GPU: a copy each)
+                host = tensor.cpu().contiguous()  # on the CPU: the tensor itself
+                data = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # no copy
                 while data:  # a write may take fewer bytes than it was given
                     data = data[file.write(data) :]
             os.fsync(file.fileno())
         spans = [header[item.index.fqn]["data_offsets"] for item in items]
         where = [_StorageInfo(name, 8 + len(encoded) + a, b - a) for a, b in spans]
         return [WriteResult(it.index, w.length, w) for it, w in zip(items, where, strict=True)]
-
-
-SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 class InPlaceSafetensorsReader(dcp.HuggingFaceStorageReader):
@@ -349,7 +349,7 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     measured = []
     if dist.get_rank() == 0:
-        print(f"{'round':<7}{'GB/s':<27}" + "".join(f"{h:>11}" for h in ("save", "cold", "warm")))
+        print(f"{'round':<7}{'GB/s':<36}" + "".join(f"{h:>11}" for h in ("save", "cold", "warm")))
     for round_number in range(repeats + 1):  # round 0 also fills the plan cache
         gc.collect()  # untimed: a full collection walks every object alive, slowly
         gc.freeze()  # so none does inside a timed save or load: what lives is left alone
@@ -362,7 +362,7 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
             seconds += [timed(load, model, path, **options) for _ in range(2)]  # cold, then warm
             rates = [total_bytes / s / 1e9 for s in seconds]
             if dist.get_rank() == 0:
-                print(f"{round_number:<7}{name:<27}" + "".join(f"{v:>11.2f}" for v in rates))
+                print(f"{round_number:<7}{name:<36}" + "".join(f"{v:>11.2f}" for v in rates))
                 shutil.rmtree(path)
             if round_number > 0:
                 keys = ("save_GBps", "cold_load_GBps", "warm_load_GBps")
@@ -435,7 +435,8 @@ figures.measured(
 # %%
 # Where the cold load's time goes, per rank (cProfile): ``torch.load`` reading
 # the bytes into new tensors, ``copy_`` into the model's, the rest (planning,
-# unpickling). Reading straight into the model's tensors would skip the copy.
+# unpickling). The in-place reader (the loads of the "safetensors, streamed" row)
+# reads straight into the model's tensors, and skips the copy.
 
 results.record("load_phases", profiled.by_rank)
 reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)

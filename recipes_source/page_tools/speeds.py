@@ -44,12 +44,12 @@ def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
         ["best cold load", f"checkpoint of {found['best_load']}"]
         + [f"{found['best_load_GBps']:.2f} GB/s"]
         + [f"{found['best_load_of_limit']:.2f} of read from storage"],
-        ["one writer thread", "serializes, then writes"]
+        ["one FileSystemWriter thread", "serializes, then writes"]
         + [f"at most {disk.one_thread(limits, 'torch_save', 'write_fsync'):.2f} GB/s", ""],
-        ["one writer thread", "the same, no CRC-32"]
+        ["one FileSystemWriter thread", "the same, no CRC-32"]
         + [f"at most {disk.one_thread(limits, 'torch_save_no_crc32', 'write_fsync'):.2f} GB/s"]
         + [""],
-        ["one reader thread", "reads, then deserializes"]
+        ["one FileSystemReader thread", "reads, then deserializes"]
         + [f"at most {disk.one_thread(limits, 'torch_load', 'read_storage'):.2f} GB/s", ""],
     ]
     return figures.Table(["", "with", "measured", ""], rows, caption=caption)
