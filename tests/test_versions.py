@@ -296,6 +296,11 @@ def test_first_error_is_the_exception_line_and_where_it_was_raised():
 def test_matrix_venvs_take_requirements_pins_and_live_outside_the_repository():
     pins = matrix.pins()
     assert "torchdata==0.11.0" in pins and any(p.startswith("transformers==") for p in pins)
+    # torch_checkpointing needs torch 2.11 or newer: older releases' venvs go without it.
+    assert "torch-checkpointing==0.1.1" in pins and "torch-checkpointing==0.1.1" in matrix.pins(
+        "2.11.0"
+    )
+    assert not any(p.startswith("torch-checkpointing") for p in matrix.pins("2.10.0"))
     assert not str(matrix.CACHE.resolve()).startswith(str(ROOT.resolve()))
     assert json.loads((ROOT / VERSION_RESULTS).read_text())["versions"] is not None
 

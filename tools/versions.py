@@ -53,14 +53,20 @@ DOWNLOADS = ROOT / "_build" / "html" / "_downloads"
 CACHE = Path(os.environ.get("DCP_RECIPES_VERSIONS_CACHE", "~/.cache/dcp-recipes")).expanduser()
 # The recipes' packages besides torch, at requirements.txt's pins; numpy has no line there
 # (torch and transformers pull it in): the version .venv resolves to.
-RUNTIME = ("torchdata", "transformers", "safetensors", "psutil")
+RUNTIME = ("torchdata", "transformers", "safetensors", "psutil", "torch-checkpointing")
+# A pin that needs a newer torch than some releases is left out of their venvs: a page that
+# imports it fails there, as it does for a reader on that release.
+MIN_TORCH = {"torch-checkpointing": (2, 11)}  # its own Requires-Dist: torch>=2.11.0
 EXTRA_PINS = {"numpy": "2.4.6"}
 FREE_GB_NEEDED = 8  # a CUDA build of torch and its libraries take 5-6 GB
 RECIPE_TIMEOUT = 900  # seconds, one recipe's whole run (its launches have 300 s each)
 FORCE = False  # --force: measure the checkpoint pairs already in the results again
 
 
-def pins() -> list[str]:
+def pins(version: str | None = None) -> list[str]:
+    """requirements.txt's pins of the packages the recipes import at run time, for the venv
+    of torch ``version`` (None: every pin)."""
+    release = tuple(int(part) for part in version.split(".")[:2]) if version else None
     found = {}
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         match = re.match(r"^([A-Za-z0-9_.-]+)==(\S+)", line.strip())
@@ -69,7 +75,9 @@ def pins() -> list[str]:
     missing = set(RUNTIME) - set(found)
     if missing:
         raise SystemExit(f"versions: requirements.txt pins none of {sorted(missing)}")
-    return [f"{name}=={version}" for name, version in {**found, **EXTRA_PINS}.items()]
+    if release is not None:
+        found = {name: pin for name, pin in found.items() if release >= MIN_TORCH.get(name, ())}
+    return [f"{name}=={pin}" for name, pin in {**found, **EXTRA_PINS}.items()]
 
 
 def gigabytes(path: Path) -> float:
@@ -81,7 +89,7 @@ def venv_for(version: str) -> tuple[Path, dict]:
     """The venv of one torch version, made if it is not there yet; with what it took."""
     venv = CACHE / f"torch-{version}"
     ready = venv / "dcp-recipes-ready.json"
-    wanted = [f"torch=={version}"] + pins()
+    wanted = [f"torch=={version}"] + pins(version)
     if ready.exists():
         made = json.loads(ready.read_text())
         if made.get("requirements") == wanted:
