@@ -9,6 +9,7 @@ build is an error that says how to rebuild.
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -108,6 +109,23 @@ def recipe_path(name: str) -> Path:
     path = RECIPES / f"{name}.py"
     assert path.exists(), f"no recipe {path}"
     return path
+
+
+def page_definitions(name: str, *wanted: str) -> dict:
+    """Recipe ``name``'s imports (not of the site's own modules) and the ``wanted``
+    definitions (functions, classes, constants), executed: their namespace."""
+    body = [
+        node
+        for node in ast.parse(recipe_path(name).read_text()).body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and getattr(node, "module", None) not in ("page_tools", "rank_launcher")
+        or getattr(node, "name", None) in wanted
+        or isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) in wanted for t in node.targets)
+    ]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=body, type_ignores=[]), name, "exec"), namespace)
+    return namespace
 
 
 def page_download(name: str, suffix: str) -> Path:

@@ -11,7 +11,6 @@ nothing is replicated.
 
 from __future__ import annotations
 
-import ast
 import os
 import statistics
 
@@ -26,9 +25,9 @@ from recipe_runner import (
     build_results,
     checkpoint_files_in_repo,
     numbers_in,
+    page_definitions,
     page_outputs,
     parsed_html,
-    recipe_path,
 )
 
 RECIPE = "save_load_speed_recipe"
@@ -279,24 +278,9 @@ def test_claims_hold_on_one_rank_where_nothing_is_replicated(recipe_runner, monk
     assert recipe_runner.leftovers() == []
 
 
-def _page_definitions(*names: str) -> dict:
-    """The page's imports and the named definitions (classes, functions, constants), run."""
-    body = [
-        node
-        for node in ast.parse(recipe_path(RECIPE).read_text()).body
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        and getattr(node, "module", None) not in ("page_tools", "rank_launcher")
-        or getattr(node, "name", None) in names
-        or isinstance(node, ast.Assign)
-        and any(getattr(t, "id", None) in names for t in node.targets)
-    ]
-    namespace: dict = {}
-    exec(compile(ast.Module(body=body, type_ignores=[]), "page", "exec"), namespace)
-    return namespace
-
-
 def test_the_streamed_writer_writes_safetensors_that_both_readers_read(tmp_path):
-    page = _page_definitions(
+    page = page_definitions(
+        RECIPE,
         "StreamingSafetensorsWriter",
         "InPlaceSafetensorsReader",
         "fits",

@@ -15,7 +15,6 @@ truncated file, a missing file, and chunks that overlap.
 
 from __future__ import annotations
 
-import ast
 import os
 import pickle
 
@@ -27,7 +26,7 @@ from recipe_runner import (
     assert_no_traceback,
     assert_ok,
     build_results,
-    recipe_path,
+    page_definitions,
 )
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
@@ -68,27 +67,9 @@ def test_the_page_verifier_refused_each_damaged_checkpoint(claims):
 # --------------------------------------------------------------------------
 
 
-def _page_function(name: str, *needed: str) -> dict:
-    """Execute the page's imports and the named definitions; return their namespace."""
-    tree = ast.parse(recipe_path(RECIPE).read_text())
-    wanted = {name, *needed}
-    body = [
-        node
-        for node in tree.body
-        if isinstance(node, ast.Import | ast.ImportFrom)
-        and not (
-            isinstance(node, ast.ImportFrom) and node.module in ("page_tools", "rank_launcher")
-        )
-        or getattr(node, "name", None) in wanted
-    ]
-    namespace: dict = {}
-    exec(compile(ast.Module(body=body, type_ignores=[]), "page", "exec"), namespace)
-    return namespace
-
-
 @pytest.fixture(scope="module")
 def page():
-    return _page_function("verify_checkpoint", "IncompleteCheckpointError")
+    return page_definitions(RECIPE, "verify_checkpoint", "IncompleteCheckpointError")
 
 
 @pytest.fixture
