@@ -490,10 +490,10 @@ SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULT
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
 # %%
-# What a checkpoint costs training, against the round's run without one: the
-# median step that overlapped a save over its median step; the interval's wall
-# time minus as many of its steps; peak host memory (not torch_checkpointing's:
-# above) minus its. An effect below its spread, or below zero, is noise.
+# Costs to training, against the run's own steps that overlapped no save (runs a minute
+# apart drift more): the median step that overlapped one over theirs; the stall plus
+# what those steps took beyond theirs (total overhead; noise: a round that paid none);
+# peak host memory over the run without one's (noise: below the spread or zero).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 

@@ -1573,7 +1573,7 @@ def _run(stall, wall, steps, peak, checkpoints=1, losses=(0.5,), threads=1, save
 
 
 def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
-    baseline = [_run(0, 0.4, [[0.1, False]] * 4, 100, checkpoints=0)]
+    baseline = [_run(0, 0.4, [[0.1, False]] * 4, 100, checkpoints=0)] * 2  # rank by rank
     run = [
         _run(0.2, 0.5, [[0.2, True], [0.1, False]], 150, checkpoints=2, saves_s=0.4),
         _run(0.3, 0.6, [[0.4, True], [0.1, False]], 130, checkpoints=2, saves_s=0.5),
@@ -1581,13 +1581,30 @@ def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
     found = stalls.metrics(run, baseline, 1)
     assert found["stall_per_checkpoint_s"] == pytest.approx(0.3)  # the slowest rank
     assert found["overlapped_step_slowdown"] == pytest.approx(0.3 / 0.1)  # median of 0.2, 0.4
-    assert found["overhead_s"] == pytest.approx(0.6 - 2 * 0.1)  # 2 steps of the baseline's
+    # each rank's stall and overlapped step beyond its own quiet one; the slowest rank's
+    assert found["overhead_s"] == pytest.approx(max(0.2 + (0.2 - 0.1), 0.3 + (0.4 - 0.1)))
     assert found["extra_memory_mb"] == pytest.approx(50)
     assert found["time_until_durable_s"] == pytest.approx(0.5)
     assert stalls.metrics(baseline, baseline, 2)["stall_per_checkpoint_s"] is None
     assert stalls.metrics(baseline, baseline, 2)["overhead_s"] == 0.0
     with pytest.raises(ValueError):
         stalls.metrics(run, baseline, 4)  # no interval of 4x a save's time ran
+    drifted = [_run(0.1, 0.5, [[0.3, True], [0.2, False]], 100, checkpoints=2)] * 2
+    assert stalls.metrics(drifted, baseline, 1)["overlapped_step_slowdown"] == pytest.approx(1.5)
+    all_along = [_run(0.1, 0.5, [[0.3, True], [0.2, True]], 100, checkpoints=2)] * 2
+    assert stalls.metrics(all_along, baseline, 1)["overlapped_step_slowdown"] == pytest.approx(2.5)
+
+
+def test_overhead_is_measured_against_the_runs_own_steps_not_a_run_minutes_away():
+    baseline = {"stall_s": 0.0, "steps": [[0.1, False]] * 4}
+    drifted = {"stall_s": 0.05, "steps": [[0.25, True], [0.2, False], [0.2, False]]}
+    assert stalls.overhead(drifted, baseline) == pytest.approx(0.05 + 0.05), "not 0.15 more"
+    saving_all_along = {"stall_s": 0.05, "steps": [[0.3, True], [0.2, True]]}
+    assert stalls.overhead(saving_all_along, baseline) == pytest.approx(0.05 + 0.2 + 0.1)
+    blocking = {"stall_s": 1.5, "steps": [[0.2, False]]}
+    assert stalls.overhead(blocking, baseline) == pytest.approx(1.5), "a blocking save: its stall"
+    faster = {"stall_s": 0.0, "steps": [[0.1, True], [0.3, False]]}
+    assert stalls.overhead(faster, baseline) == pytest.approx(-0.2), "noise is kept, signed"
 
 
 def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
@@ -1599,7 +1616,7 @@ def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
         "dcp.save": [[_run(0.2, 1.5, [[0.1, False]], 90)], [_run(0.25, 2.5, [[0.1, False]], 95)]],
     }
     summary = stalls.summarize(runs, 2)
-    assert summary["dcp.save"]["overhead_s"]["values"] == pytest.approx([0.5, 0.5])
+    assert summary["dcp.save"]["overhead_s"]["values"] == pytest.approx([0.2, 0.25])  # stalls
     assert summary["dcp.save"]["overhead_s"]["within_noise"] is False
     assert summary["dcp.save"]["extra_memory_mb"]["within_noise"] is True, "below zero: noise"
     assert summary["dcp.save"]["overlapped_step_slowdown"] is None, "no step overlapped a save"
@@ -1625,7 +1642,7 @@ def test_sweep_puts_each_interval_against_dcp_saves_time():
     assert entry["steps_between"] == 2
     assert entry["interval_vs_save"] == pytest.approx(1.0 / 0.25)  # 2 steps of 0.5 s each
     assert entry["interval_vs_upload"] == pytest.approx(1.0 / 0.1)  # its own: 0.1 s
-    assert entry["overhead_s"]["values"] == pytest.approx([0.05, 0.15])
+    assert entry["overhead_s"]["values"] == pytest.approx([0.01 + 0.02, 0.02 + 0.02])
     assert entry["stall_per_checkpoint_s"]["median"] == pytest.approx(0.015)
     (row, _) = stalls.sweep_table(found).rows
     assert row[:4] == ["overlap", "2x: 2 steps", 4.0, 10.0]
@@ -3132,6 +3149,16 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
     found = neighbors.summarize(records)
     assert found["spin"]["lost_s_per_gb"] is None and found["spin"]["gb_per_s"] == 0
     assert found["copy"]["rounds"]["gb_moved"] == moved["copy"]
+
+
+def test_a_short_step_is_timed_over_a_window_so_a_helper_can_move_a_chunk_beside_it():
+    from page_tools import neighbors
+
+    seconds, steps = neighbors._timed(lambda: time.sleep(0.01))
+    assert steps > 5 and steps * seconds >= neighbors.WINDOW_S
+    assert seconds == pytest.approx(0.01, abs=0.01)
+    seconds, steps = neighbors._timed(lambda: time.sleep(neighbors.WINDOW_S))
+    assert steps == 1 and seconds >= neighbors.WINDOW_S
 
 
 def test_a_neighbor_that_cannot_start_is_named_at_once(tmp_path):

@@ -32,6 +32,7 @@ BUFFER = 64 << 20  # a helper's source (and copy target): far beyond the caches
 CHUNK = 4 << 20  # what it moves between two looks at its switch (and counts)
 FILE_BYTES = 256 << 20  # the writer's file: rewritten in place, synced once per pass
 WAIT_S = 120  # a helper that does not answer in this time has failed
+WINDOW_S = 0.25  # the least a timing lasts: a short step repeats (a helper moves a chunk)
 
 
 def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None:
@@ -99,17 +100,21 @@ def _started(context: Any, kind: str, directory: str) -> _Neighbor:
     return _Neighbor(kind, process, switch, working, resting, stop, moved, path)
 
 
-def _timed(step: Callable[[], object]) -> float:
-    began = time.perf_counter()
-    step()
-    return time.perf_counter() - began
+def _timed(step: Callable[[], object]) -> tuple[float, int]:
+    """Seconds per ``step`` over as many steps as last ``WINDOW_S`` (one, at full size),
+    and how many: a step shorter than one of a helper's chunks would see it move nothing."""
+    began, steps = time.perf_counter(), 0
+    while steps == 0 or time.perf_counter() - began < WINDOW_S:
+        step()
+        steps += 1
+    return (time.perf_counter() - began) / steps, steps
 
 
 def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[dict]:
     """Per round: ``step`` alone, then beside each helper in turn, alone again after each
     (a slow minute hits them all). Returns one record per round and helper: the step's
     seconds beside it, alone (the mean of the steps just before and after), and the GB the
-    helper moved while the step ran."""
+    helper moved per step beside it (each timing: steps for ``WINDOW_S`` at least)."""
     context = multiprocessing.get_context("spawn")  # a clean process: no copy of the model
     neighbors, records = [], []
     try:
@@ -119,16 +124,16 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
             neighbor.awaited(neighbor.resting)
         step()  # a first step (allocations) belongs to no round
         for number in range(rounds):
-            before = _timed(step)
+            before, _ = _timed(step)
             for neighbor in neighbors:
                 moved = neighbor.moved.value
                 neighbor.switch.set()
                 neighbor.awaited(neighbor.working)
-                beside = _timed(step)
-                gb = (neighbor.moved.value - moved) / 1e9
+                beside, steps = _timed(step)
+                gb = (neighbor.moved.value - moved) / 1e9 / steps  # per step
                 neighbor.switch.clear()
                 neighbor.awaited(neighbor.resting)
-                after = _timed(step)  # alone again: the mean of the two takes out a drift
+                after, _ = _timed(step)  # alone again: the mean of the two takes out a drift
                 record = {"round": number, "helper": neighbor.kind, "alone_s": (before + after) / 2}
                 records.append({**record, "beside_s": beside, "gb_moved": gb})
                 before = after

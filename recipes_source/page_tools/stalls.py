@@ -15,15 +15,19 @@ interval, against the run without checkpoints of the same round and thread budge
 (``metrics``):
 
 * *stall per checkpoint*: the slowest rank's wait;
-* *slow-down of steps that overlap a save*: their median over the round's baseline step;
-* *total overhead*: the segment's wall time minus as many of the baseline's steps (its
-  wall time per step), stalls and slower steps together;
+* *slow-down of steps that overlap a save*: their median over the median of the run's own
+  steps that overlapped none (the baseline's, where every step overlapped one);
+* *total overhead*: the stall plus what the steps that overlapped a save took beyond the
+  run's own steps that overlapped none (their mean; the baseline's where every step
+  overlapped one). A run is its own reference: between runs a minute apart the same step
+  drifts by more (15% on a GPU, 2x here) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
 * *time until durable*, from the save call.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
-whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself:
-``stats.wait``); the rest renders tables from that. Stalls, which differ by factors of a
+whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself,
+and the total overhead, a cost: ``stats.wait``, noise unless every round paid some); the
+rest renders tables from that. Stalls, which differ by factors of a
 hundred between strategies, compare on the ratio scale (``WAITS``).
 """
 
@@ -43,7 +47,7 @@ BASELINE = "no checkpoint"
 METRICS = {
     "stall_per_checkpoint_s": ("stall per checkpoint", ".3g", " s", 0.0),
     "overlapped_step_slowdown": ("slow-down of steps that overlap a save", ".3g", "x", 1.0),
-    "overhead_s": ("total overhead over the run without checkpoints", "+.3g", " s", 0.0),
+    "overhead_s": ("total overhead: stall and slower steps", "+.3g", " s", 0.0),
     "extra_memory_mb": ("extra peak host memory per rank", "+.0f", " MB", 0.0),
     "time_until_durable_s": ("time from save call until durable", ".3g", " s", None),
     "wall_s": ("wall time of the interval", ".3g", " s", None),
@@ -52,6 +56,8 @@ METRICS = {
 TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 # waits the loop timed itself: compared as factors, noise only where a round waited none
 WAITS = ("stall_per_checkpoint_s",)
+# costs every round must pay to count: noise where the rounds' spread reaches zero
+ROUNDS_MUST_PAY = (*WAITS, "overhead_s")
 # per interval at the headline multiple (the peak memory: over the whole run)
 COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]
 
@@ -300,6 +306,17 @@ def _segment(run: dict, multiple: float) -> tuple[int, dict]:
     return index, run["segments"][index]
 
 
+def overhead(segment: dict, baseline_segment: dict) -> float:
+    """One rank's total overhead in a segment: its stall, plus what its steps that overlapped
+    a save took beyond a step without one: the mean of the segment's own steps that
+    overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
+    interval). Steps after the save is durable are the reference, not steps of a run
+    minutes away, on a machine whose speed drifts more than a save costs."""
+    quiet = [t for t, over in segment["steps"] if not over]
+    reference = statistics.mean(quiet or [t for t, _ in baseline_segment["steps"]])
+    return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
+
+
 def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str, float | None]:
     """One run's metrics at the interval ``multiple``, from every rank's numbers;
     ``baseline``: its round's run without checkpoints, same thread budget."""
@@ -310,14 +327,18 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
     steps_between = segments[0]["steps_between"]
     base_wall = max(s["wall_s"] for s in base) * (steps_between / base[0]["steps_between"])
     overlapped = [t for s in segments for t, over in s["steps"] if over]
+    quiet = [t for s in segments for t, over in s["steps"] if not over]
+    reference_step = statistics.median(quiet) if quiet else base_step  # see ``overhead``
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
     return {
         "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
-        "overlapped_step_slowdown": statistics.median(overlapped) / base_step
+        "overlapped_step_slowdown": statistics.median(overlapped) / reference_step
         if overlapped
         else None,
-        "overhead_s": wall - base_wall,
+        "overhead_s": max(overhead(s, b) for s, b in zip(segments, base, strict=True))
+        if saving
+        else 0.0,  # the reference costs nothing (its loop timed microseconds as a "stall")
         "extra_memory_mb": None  # what it kept from earlier runs is not in its peak
         if run[0].get("memory_kept")
         else max(r["peak_memory_mb"] for r in run) - max(r["peak_memory_mb"] for r in baseline),
@@ -351,7 +372,7 @@ def summarize(
                 summary[name][metric] = None
             elif neutral is None or name == baseline_of(name):
                 summary[name][metric] = stats.summary(values)
-            elif metric in WAITS:
+            elif metric in ROUNDS_MUST_PAY:
                 summary[name][metric] = stats.wait(values)
             else:
                 summary[name][metric] = stats.effect(values, neutral)
@@ -388,7 +409,7 @@ def sweep(
                 "stall_per_checkpoint_s": stats.wait(
                     [m["stall_per_checkpoint_s"] for m in per_round]
                 ),
-                "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
+                "overhead_s": stats.wait([m["overhead_s"] for m in per_round]),
             }
     return found
 
@@ -728,7 +749,7 @@ def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: fl
 
 def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
     """Left: the stall per checkpoint (log scale), with one copy of a rank's share for
-    reference. Right: the total overhead over the run without checkpoints. Medians, with
+    reference. Right: the total overhead (stall and slower steps). Medians, with
     the lowest and highest round as whiskers. The title names the machine (with the
     storage of the temporary directory, where ``shared_tempdir`` puts checkpoints), the
     size and ``what`` ran."""
@@ -756,7 +777,7 @@ def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
                     f"{e['median']:+.2f} s" + (" (noise)" if e["within_noise"] else "")
                     for e in totals
                 ],
-                "xlabel": "total overhead over no checkpoint (s)",
+                "xlabel": "total overhead: stall and slower steps (s)",
                 "color": "tab:orange",
             },
         ],

@@ -175,10 +175,10 @@ def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
 
 
 def wait(values: Sequence[float]) -> dict:
-    """Repeated measurements of a wait the loop timed itself (a stall): their ``summary``,
-    and ``within_noise`` only where the spread reaches zero (a round waited none). A wait is
-    not the difference of two runs, as an ``effect`` is: a stall in every round is a stall,
-    however much it varies."""
+    """Repeated measurements of a wait the loop timed itself (a stall), or of a cost summed
+    from it and its run's own steps (an overhead): their ``summary``, and ``within_noise``
+    only where the spread reaches zero (a round paid none). Neither is the difference of two
+    runs, as an ``effect`` is: a stall in every round is a stall, however much it varies."""
     entry = summary(values)
     entry["effect"] = entry["median"]
     entry["within_noise"] = entry["min"] <= 0
