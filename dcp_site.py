@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -213,15 +214,18 @@ PAGE_NOTE = """\
 """
 
 
-def results_problems(confdir: str | os.PathLike, stem: str) -> list[str]:
-    """What is wrong with an executed page's results file, against its list of claims."""
-    path = results_dir(confdir) / f"{stem}.json"
-    import sys
-
+def page_tool(confdir: str | os.PathLike, name: str):
+    """The module ``page_tools.<name>`` beside the recipes, for the build's own use."""
     source = str(Path(confdir, SOURCE_DIR))
     if source not in sys.path:
         sys.path.insert(0, source)
-    from page_tools import results
+    return importlib.import_module(f"{PAGE_PACKAGE}.{name}")
+
+
+def results_problems(confdir: str | os.PathLike, stem: str) -> list[str]:
+    """What is wrong with an executed page's results file, against its list of claims."""
+    path = results_dir(confdir) / f"{stem}.json"
+    results = page_tool(confdir, "results")
 
     listed = results.manifest(stem)
     if not listed and not path.exists():
@@ -1176,6 +1180,91 @@ def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------
+# A benchmark's results from a GPU machine, kept in the repository, on the page on_gpus
+# --------------------------------------------------------------------------
+
+GPU_RESULTS_MARKER = ".. dcp-gpu-results::"
+VERDICTS = {True: "met", False: "not met", None: "undecided (noise)"}
+
+
+def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
+    """A stall benchmark's results file from a GPU machine (``make bench`` there, kept under
+    ``_static/measured``), recomputed from its raw runs by this build's ``page_tools``, as
+    the page computes its own (the run may predate a change in how a metric is computed):
+    where it ran, then per strategy its stall and total overhead at the page's headline
+    interval (its longest), over ``dcp.save``'s, and the goals' verdicts."""
+    stalls, shown = page_tool(confdir, "stalls"), page_tool(confdir, "stats").shown_entry
+    values = json.loads(Path(confdir, relative).read_text())["values"]
+    config, machine, headline = values["config"], values["machine"], values["headline"]
+    multiple = max(config["intervals"], key=float)
+    summary = stalls.summarize(values["runs"]["runs"], float(multiple))
+    names = [n for n, _ in values["ratios"].items()]  # the strategies that checkpoint
+    ratios = stalls.ratios(summary, names, values["limits"]["copy_s"])
+    goals = stalls.goals_of(
+        summary,
+        list(values["goals"]),
+        stall_per_checkpoint_s=headline["stall_goal"],
+        overhead_s=headline["overhead_goal"],
+    )
+    where = (
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
+        f"{machine['gpus']} GPU(s), checkpoints on {machine['storage']}; torch "
+        f"``{machine['torch']}``; a {config['checkpoint_gb']} GB checkpoint, "
+        f"{config['world_size']} rank(s) under {config['launcher']}, "
+        f"{config['rounds']} rounds after a warm-up, a checkpoint every "
+        f"{config['intervals'][multiple]} steps ({multiple}x a save's time)."
+    )
+    rows = []
+    for name in names:
+        entry, ratio, verdicts = summary[name], ratios[name], goals.get(name)
+        rows += [
+            f"   * - {name}",
+            f"     - {shown(entry['stall_per_checkpoint_s'], '.3g', '')}",
+            f"     - {ratio['stall_vs_dcp_save']:.3g}",
+            f"     - {shown(entry['overhead_s'], '+.3g', '')}",
+            f"     - {ratio['overhead_vs_dcp_save']:.3g}"
+            + (" (noise)" if ratio["overhead_within_noise"] else ""),
+            "     - "
+            + (
+                f"stall {VERDICTS[verdicts['stall_per_checkpoint_s']['met']]}, "
+                f"overhead {VERDICTS[verdicts['overhead_s']['met']]}"
+                if verdicts
+                else "no goal: staging blocks the loop"
+            ),
+        ]
+    goal = f"at most {headline['stall_goal']}x, {headline['overhead_goal']}x dcp.save's"
+    return "\n".join(
+        [
+            where,
+            "",
+            ".. list-table:: Median [lowest .. highest] over the rounds, in seconds",
+            "   :header-rows: 1",
+            "",
+            "   * - strategy",
+            "     - stall per checkpoint",
+            "     - stall / dcp.save's",
+            "     - total overhead",
+            "     - overhead / dcp.save's",
+            f"     - goals of background staging ({goal})",
+            *rows,
+            "",
+        ]
+    )
+
+
+def insert_gpu_results(app: Sphinx, docname: str, source: list[str]) -> None:
+    """``source-read`` of on_gpus: each ``GPU_RESULTS_MARKER``'s results file, as a table."""
+    if docname != Path(ON_GPUS).stem or GPU_RESULTS_MARKER not in source[0]:
+        return
+
+    def table(match: re.Match) -> str:
+        app.env.note_dependency(str(Path(app.confdir, match.group(1)).resolve()))
+        return gpu_results_rst(app.confdir, match.group(1))
+
+    source[0] = re.sub(rf"(?m)^{re.escape(GPU_RESULTS_MARKER)} (\S+)$", table, source[0])
+
+
+# --------------------------------------------------------------------------
 # API names link to PyTorch's docs (intersphinx, from the inventory the repository keeps)
 # --------------------------------------------------------------------------
 
@@ -1278,6 +1367,7 @@ def link_dcp_literals(app: Sphinx, doctree) -> None:
 def setup(app: Sphinx) -> dict:
     app.connect("doctree-read", link_dcp_literals)
     app.connect("source-read", insert_torch_versions)
+    app.connect("source-read", insert_gpu_results)
     app.connect("config-inited", _export_stamp_dir)
     app.connect("config-inited", _write_page_package_zip)
     app.connect("builder-inited", _start_quick_start, priority=100)

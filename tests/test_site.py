@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -223,6 +224,35 @@ def test_the_gpu_page_has_a_section_for_every_performance_page(site):
     for name in dcp_site.PERFORMANCE_PAGES:
         assert on_gpus_section(name) in text, name
     assert set(dcp_site.PERFORMANCE_PAGES) <= set(RECIPE_NAMES)
+
+
+def test_the_gpu_page_shows_a_gpu_runs_numbers_recomputed_from_its_raw_rounds(site):
+    """Under "Measured once on a GPU": each strategy's stall and total overhead over
+    dcp.save's, as the benchmark's own tests recompute them from the kept file's rounds,
+    and a link to that file."""
+    from test_checkpoint_stall_benchmark import HEADLINE, recompute
+
+    kept = "_static/measured/checkpoint_stall_benchmark-h200.json"
+    values = json.loads((ROOT / kept).read_text())["values"]
+    assert values["config"]["accelerator"] and values["machine"]["gpus"] == 1
+    raw = recompute(values["runs"]["runs"], HEADLINE)
+    doc = parsed_html(site / "on_gpus.html")
+    (table,) = doc.select("table")
+    rows = [[td.get_text(" ", strip=True) for td in tr.select("td")] for tr in table.select("tr")]
+    shown = {row[0]: row for row in rows if row}
+    assert list(shown) == list(values["ratios"])  # every strategy that checkpoints
+
+    def over_dcp_save(name, metric):
+        return statistics.median(raw[name][metric]) / statistics.median(raw["dcp.save"][metric])
+
+    for name, row in shown.items():
+        stall, overhead = row[2], row[4].split()[0]
+        assert float(stall) == pytest.approx(over_dcp_save(name, "stall_per_checkpoint_s"), 2e-3)
+        assert float(overhead) == pytest.approx(over_dcp_save(name, "overhead_s"), 2e-3)
+        noise = min(raw[name]["overhead_s"] + raw["dcp.save"]["overhead_s"]) <= 0
+        assert row[4].endswith("(noise)") == noise, name
+    links = [a["href"] for a in doc.select("a.download")]
+    assert any(href.endswith(Path(kept).name) for href in links), links
 
 
 def test_versionadded_renders_where_used(site):
