@@ -245,10 +245,10 @@ def test_the_gpu_page_shows_a_gpu_runs_numbers_recomputed_from_its_raw_rounds(si
     def over_dcp_save(name, metric):
         return statistics.median(raw[name][metric]) / statistics.median(raw["dcp.save"][metric])
 
-    for name, row in shown.items():
+    for name, row in shown.items():  # shown to 3 significant digits
         stall, overhead = row[2], row[4].split()[0]
-        assert float(stall) == pytest.approx(over_dcp_save(name, "stall_per_checkpoint_s"), 2e-3)
-        assert float(overhead) == pytest.approx(over_dcp_save(name, "overhead_s"), 2e-3)
+        assert float(stall) == pytest.approx(over_dcp_save(name, "stall_per_checkpoint_s"), 5e-3)
+        assert float(overhead) == pytest.approx(over_dcp_save(name, "overhead_s"), 5e-3)
         noise = min(raw[name]["overhead_s"] + raw["dcp.save"]["overhead_s"]) <= 0
         assert row[4].endswith("(noise)") == noise, name
     links = [a["href"] for a in doc.select("a.download")]
