@@ -1184,7 +1184,6 @@ def insert_torch_versions(app: Sphinx, docname: str, source: list[str]) -> None:
 # --------------------------------------------------------------------------
 
 GPU_RESULTS_MARKER = ".. dcp-gpu-results::"
-VERDICTS = {True: "met", False: "not met", None: "undecided (noise)"}
 
 
 def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
@@ -1198,7 +1197,7 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
     config, machine, headline = values["config"], values["machine"], values["headline"]
     multiple = max(config["intervals"], key=float)
     summary = stalls.summarize(values["runs"]["runs"], float(multiple))
-    names = [n for n, _ in values["ratios"].items()]  # the strategies that checkpoint
+    names = list(values["ratios"])  # the strategies that checkpoint
     ratios = stalls.ratios(summary, names, values["limits"]["copy_s"])
     goals = stalls.goals_of(
         summary,
@@ -1226,8 +1225,8 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
             + (" (noise)" if ratio["overhead_within_noise"] else ""),
             "     - "
             + (
-                f"stall {VERDICTS[verdicts['stall_per_checkpoint_s']['met']]}, "
-                f"overhead {VERDICTS[verdicts['overhead_s']['met']]}"
+                f"stall {stalls.GOAL_VERDICTS[verdicts['stall_per_checkpoint_s']['met']]}, "
+                f"overhead {stalls.GOAL_VERDICTS[verdicts['overhead_s']['met']]}"
                 if verdicts
                 else "no goal: staging blocks the loop"
             ),

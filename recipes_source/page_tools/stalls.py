@@ -27,8 +27,8 @@ interval, against the run without checkpoints of the same round and thread budge
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
 whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself,
 and the total overhead, a cost: ``stats.wait``, noise unless every round paid some); the
-rest renders tables from that. Stalls, which differ by factors of a
-hundred between strategies, compare on the ratio scale (``WAITS``).
+rest renders tables from that. Stalls, which differ by factors of a hundred between
+strategies, compare on the ratio scale (``WAITS``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 WAITS = ("stall_per_checkpoint_s",)
 # costs every round must pay to count: noise where the rounds' spread reaches zero
 ROUNDS_MUST_PAY = (*WAITS, "overhead_s")
+# a goal's ``met``, in words: met, missed, or undecided where the difference is noise
+GOAL_VERDICTS = {True: "met", False: "not met", None: "undecided (within noise)"}
 # per interval at the headline multiple (the peak memory: over the whole run)
 COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]
 
@@ -581,13 +583,12 @@ def ratios_table(found: dict, copy_seconds: float) -> figures.Table:
 
 def goals_table(found: dict) -> figures.Table:
     """One row per strategy and goal (``found``: strategy -> ``goals(...)``)."""
-    verdict = {True: "met", False: "not met", None: "cannot tell: within noise"}
     rows = [
         [
             name,
             f"{g['heading']} <= {g['goal']}x dcp.save's",
             round(g["ratio"], 3),
-            verdict[g["met"]],
+            GOAL_VERDICTS[g["met"]],
             g["said"],
         ]
         for name, found_goals in found.items()
@@ -848,13 +849,12 @@ def print_summary_line(bench: bool, recipe: str, headline: dict, found_goals: di
 
 def summary_line(recipe: str, headline: dict, found_goals: dict) -> str:
     """The one line ``make bench`` prints, from the recorded numbers."""
-    verdict = {True: "met", False: "not met", None: "within noise"}
     stall, overhead = found_goals["stall_per_checkpoint_s"], found_goals["overhead_s"]
     return (
         f"{recipe}: {headline['strategy']} stall {headline['stall_vs_dcp_save']:.3f}x dcp.save's "
-        f"(goal <= {stall['goal']}x: {verdict[stall['met']]}), total overhead "
+        f"(goal <= {stall['goal']}x: {GOAL_VERDICTS[stall['met']]}), total overhead "
         f"{headline['overhead_vs_dcp_save']:.2f}x (goal <= {overhead['goal']}x: "
-        f"{verdict[overhead['met']]})"
+        f"{GOAL_VERDICTS[overhead['met']]})"
     )
 
 
