@@ -20,7 +20,7 @@ interval, against the run without checkpoints of the same round and thread budge
 * *total overhead*: the stall plus what the steps that overlapped a save took beyond the
   run's own steps that overlapped none (their mean; the baseline's where every step
   overlapped one). A run is its own reference: between runs a minute apart the same step
-  drifts by more (15% on a GPU, 2x here) than a background save costs it;
+  drifts by more (1.5x on an H200, 2x on 2 CPU cores) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
 * *time until durable*, from the save call.
 
