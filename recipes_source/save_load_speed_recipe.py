@@ -123,20 +123,10 @@ print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1
 # one file and one ``fsync`` per thread. The page's probe (``page_tools.disk``)
 # writes the same buckets as raw bytes, then reads them back from storage and
 # from the page cache: an upper bound (DCP also runs ``torch.save`` on each
-# tensor, which the probe times apart, with ``torch.load``). A limit is the best
-# repeat; reads from storage within noise of the cache's mean a caching host.
-
-limit_runs = run_on_ranks(
-    disk.measure_limits, lambda: build_sharded_model(0)[0], f"{WORK_DIR}/limits", (1, 2, 4), REPEATS
-)
-LIMITS = results.record("limits", disk.bandwidths(limit_runs))
-results.claim(
-    "probe-reads-back-what-it-wrote",
-    all(run["read_back_equal"] for run in limit_runs),
-    f"every file the probe read back held the bytes it wrote, on {len(limit_runs)} rank(s)",
-)
-disk.storage_against_cache(LIMITS)
-disk.table(LIMITS)
+# tensor, which the probe times apart, with ``torch.load``). It runs at the start
+# of every round below, in the minute of the saves and loads it bounds: a disk's
+# speed drifts. A limit is the best thread count's median, the statistic of every
+# row it bounds (a best single round grows with the rounds).
 
 # %%
 # ``dcp.save`` and ``dcp.load`` with every knob
@@ -207,7 +197,8 @@ def load(model, checkpoint_dir, format="torch.save", streamed=False, **save_opti
 # file in memory first, in one thread; its reader copies each tensor once from a
 # mapped file. The pair below, the row "safetensors, streamed", writes from each
 # tensor's own memory with 4 threads, a file and an ``fsync`` each (as the
-# ``thread_count=4`` row's writer), and reads each tensor straight into its target.
+# ``thread_count=4`` row's writer), and reads each tensor straight into its target,
+# a thread per file.
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -256,28 +247,34 @@ class StreamingSafetensorsWriter(dcp.HuggingFaceStorageWriter):
 
 
 class InPlaceSafetensorsReader(dcp.HuggingFaceStorageReader):
-    def read_data(self, plan, planner):
-        by_file, rest = {}, []
+    def read_data(self, plan, planner):  # a thread per file, as the writer wrote them
+        by_file = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for path, items in by_file.items():
-            with open(path, "rb", buffering=0) as file:
-                header_bytes = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(header_bytes))
-                items.sort(key=lambda item: header[item.storage_index.fqn]["data_offsets"])
-                for item in items:  # in the file's order: the kernel reads ahead
-                    entry = header[item.storage_index.fqn]
-                    target = planner.resolve_tensor(item).detach()
-                    whole = list(item.lengths) == entry["shape"] == list(target.shape)
-                    if not (whole and fits(target, SAFETENSORS_DTYPES.get(entry["dtype"]))):
-                        rest.append(item)
-                        continue
-                    file.seek(8 + header_bytes + entry["data_offsets"][0])
-                    buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-                    while buffer:  # a read may return fewer bytes than asked for
-                        buffer = buffer[file.readinto(buffer) :]
-                    planner.commit_tensor(item, target)
-        return super().read_data(LoadPlan(rest), planner)
+        with ThreadPoolExecutor(max(1, len(by_file))) as pool:
+            files = [pool.submit(self.read_file, p, items, planner) for p, items in by_file.items()]
+            rest = [item for file in files for item in file.result()]
+        return super().read_data(LoadPlan(rest), planner)  # what could not go in place
+
+    def read_file(self, path, items, planner):
+        rest = []
+        with open(path, "rb", buffering=0) as file:
+            header_bytes = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_bytes))
+            items.sort(key=lambda item: header[item.storage_index.fqn]["data_offsets"])
+            for item in items:  # in the file's order: the kernel reads ahead
+                entry = header[item.storage_index.fqn]
+                target = planner.resolve_tensor(item).detach()
+                whole = list(item.lengths) == entry["shape"] == list(target.shape)
+                if not (whole and fits(target, SAFETENSORS_DTYPES.get(entry["dtype"]))):
+                    rest.append(item)
+                    continue
+                file.seek(8 + header_bytes + entry["data_offsets"][0])
+                buffer = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+                while buffer:  # a read may return fewer bytes than asked for
+                    buffer = buffer[file.readinto(buffer) :]
+                planner.commit_tensor(item, target)
+        return rest
 
 
 def fits(target, dtype):  # whether the file's bytes can go straight into target's memory
@@ -376,8 +373,9 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
 # %%
 # The page checks the warm-up round's checkpoints (each rank's shards as the
 # save got them against what each load filled in, into a model set to NaN),
-# times each save's and load's planning (from the call to the first byte) and
-# profiles the warm-up round's last two loads and the saves with 4 threads, no CRC-32.
+# times each save's and load's planning (from the call to the first byte),
+# profiles the warm-up round's last two loads and the saves with 4 threads, no
+# CRC-32, and runs the probe of the limits before each round's first save.
 
 with (
     reads.load_phases(dcp, where=lambda path: "round0/enable_plan_caching" in path) as profiled,
@@ -389,9 +387,29 @@ with (
     proofs.checkpoints_checked(dcp, where=proofs.checkpoint_matches("/round0/")) as checked,
     timing.until_first(dcp, "save", FileSystemWriter, "write_data") as save_planning,
     timing.until_first(dcp, "load", dcp.FileSystemReader, "read_data") as load_planning,
+    disk.probed_each_round(
+        "timed",  # before a round's first timed save: the round's folder is new
+        lambda call: os.path.dirname(call.args[2]),
+        lambda: build_sharded_model(0)[0],
+        f"{WORK_DIR}/limits",
+        repeats=REPEATS,
+    ) as limit_runs,
 ):
     knob_runs = run_on_ranks(save_and_load_every_way, f"{WORK_DIR}/knobs", REPEATS)
 proofs.loads_match_saves("knob-checkpoints-load-back", checked, "warm-up round, cold and warm")
+
+# %%
+# The limits, from the probe's rounds; reads from storage within noise of the
+# cache's mean a caching host:
+
+LIMITS = results.record("limits", disk.bandwidths(limit_runs))
+results.claim(
+    "probe-reads-back-what-it-wrote",
+    all(run["read_back_equal"] for run in limit_runs),
+    f"every file the probe read back held the bytes it wrote, on {len(limit_runs)} rank(s)",
+)
+disk.storage_against_cache(LIMITS)
+disk.table(LIMITS)
 
 # %%
 # The saves, against the write + ``fsync`` limit:
@@ -513,7 +531,7 @@ MACHINE = results.record(
     machine.describe(WORK_DIR) | dict(repeats=REPEATS, shapes=[(WIDTH, DEPTH), SECTION_SHAPE]),
 )
 HEADLINE = results.record("headline", speeds.headline(KNOBS, LIMITS, [NO_FSYNC]))
-ON = f"{SIZE_MB:g} MB on {MACHINE['cores']} cores, torch {torch.__version__}"
+ON = f"{LIMITS['total_bytes'] / 1e6:,.0f} MB on {MACHINE['cores']} cores, torch {torch.__version__}"
 speeds.best_table(HEADLINE, LIMITS, caption=ON)
 
 # %%

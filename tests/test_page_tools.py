@@ -1122,8 +1122,27 @@ def test_split_like_dcp_puts_the_largest_tensor_first_into_the_emptiest_bucket()
     assert sum(len(b) for b in disk.split_like_dcp(tensors, 4)) == len(tensors)
 
 
-def test_measure_limits_reads_back_what_it_wrote_and_bandwidths_take_the_best(tmp_path):
-    run = disk.measure_limits(lambda: torch.nn.Linear(256, 256), str(tmp_path), (1, 2), repeats=2)
+def test_the_probe_runs_before_each_rounds_first_call_and_bandwidths_take_the_best(
+    tmp_path, monkeypatch
+):
+    page = observe.page_module()
+    calls = []
+    monkeypatch.setattr(page, "timed_for_a_test", calls.append, raising=False)
+    with disk.probed_each_round(
+        "timed_for_a_test",
+        lambda call: os.path.dirname(call.args[0]),
+        lambda: torch.nn.Linear(256, 256),
+        str(tmp_path),
+        (1, 2),
+        repeats=2,
+    ) as runs:
+        for round_number in range(3):  # a warm-up round, then 2 kept
+            for knob in ("a", "b"):
+                page.timed_for_a_test(f"round{round_number}/{knob}")
+    assert len(calls) == 6, "the page's function still runs, every time"
+    assert page.timed_for_a_test == calls.append, "and is itself again after the block"
+    assert len(runs) == 1, "one rank"
+    run = runs[0]
     assert run["read_back_equal"] is True
     assert run["bytes"] == 4 * (256 * 256 + 256)
     assert set(run["seconds"]) == set(disk.KINDS)
@@ -1136,8 +1155,10 @@ def test_measure_limits_reads_back_what_it_wrote_and_bandwidths_take_the_best(tm
     limits = disk.bandwidths([run, run])  # two ranks that took the same time
     per_repeat = [2 * run["bytes"] / s / 1e9 for s in run["seconds"]["write_fsync"][2]]
     assert limits["GBps"]["write_fsync"][2]["values"] == pytest.approx(per_repeat)
-    best = max(max(limits["GBps"]["read_cache"][n]["values"]) for n in (1, 2))
-    assert limits["limit"]["read_cache"] == best
+    medians = {n: stats.median(limits["GBps"]["read_cache"][n]["values"]) for n in (1, 2)}
+    best = max(medians, key=medians.get)
+    assert limits["limit_threads"]["read_cache"] == best
+    assert limits["limit"]["read_cache"] == medians[best], "the best median, not the best repeat"
     serialize = stats.median(limits["serialization_GBps"]["torch_save"])
     write = stats.median(limits["GBps"]["write_fsync"][1])
     assert disk.one_thread(limits, "torch_save", "write_fsync") == pytest.approx(
@@ -3213,12 +3234,13 @@ def test_a_knob_beyond_its_limit_by_more_than_noise_is_named_and_within_noise_is
             "read_storage": {1: probe(1.1, 2.3), 2: probe(1.0, 2.0)},  # twofold, minute to minute
             "read_cache": {1: probe(9.0, 10.0)},
         },
-        "limit": {"write_fsync": 1.5, "read_storage": 2.3, "read_cache": 10.0},
+        "limit": {"write_fsync": 1.45, "read_storage": 1.7, "read_cache": 9.5},
+        "limit_threads": {"write_fsync": 4, "read_storage": 1, "read_cache": 1},
     }
     knob = {"save_GBps": [1.2, 1.3, 1.4], "cold_load_GBps": [2.3, 2.34, 2.35],
             "warm_load_GBps": [5.0, 6.0, 7.0]}  # fmt: skip
-    assert speeds.beyond_limits({"close": knob}, limits) == [], "2.34 > 2.3, within 1.2"
-    fast_save = dict(knob, save_GBps=[3.0, 3.1, 3.2])  # beyond 1.5 by more than 0.2
+    assert speeds.beyond_limits({"close": knob}, limits) == [], "2.34 > 1.7, within 1.2"
+    fast_save = dict(knob, save_GBps=[3.0, 3.1, 3.2])  # beyond 1.45 by more than 0.2
     unsynced = dict(knob, warm_load_GBps=[30.0, 31.0, 32.0])  # a "warm" load from elsewhere
     knobs = {"fast": fast_save, "sync_files=False": fast_save, "cached": unsynced}
     beyond = speeds.beyond_limits(knobs, limits, not_durable=["sync_files=False"])
@@ -3226,4 +3248,4 @@ def test_a_knob_beyond_its_limit_by_more_than_noise_is_named_and_within_noise_is
         ("fast", "save_GBps"),
         ("cached", "warm_load_GBps"),
     ]
-    assert beyond[0]["limit"] == 1.5 and beyond[0]["noise"] == pytest.approx(0.2)
+    assert beyond[0]["limit"] == 1.45 and beyond[0]["noise"] == pytest.approx(0.2)

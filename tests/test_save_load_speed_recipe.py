@@ -100,7 +100,7 @@ def test_the_checked_checkpoints_cover_every_knob_rank_and_load(built, values):
         assert evidence["tensors"] == loads * per_load, claim
 
 
-def test_the_limits_are_the_best_of_the_raw_seconds(values):
+def test_the_limits_are_the_best_median_of_the_raw_seconds(values):
     limits = values["limits"]
     total = sum(limits["bytes_per_rank"])
     assert total == limits["total_bytes"] > 0 and len(limits["bytes_per_rank"]) == limits["ranks"]
@@ -113,8 +113,10 @@ def test_the_limits_are_the_best_of_the_raw_seconds(values):
             entry = limits["GBps"][kind][threads]
             assert entry["values"] == pytest.approx(speeds)
             assert entry["median"] == pytest.approx(statistics.median(speeds))
-        best = max(max(limits["GBps"][kind][t]["values"]) for t in THREADS)
-        assert limits["limit"][kind] == pytest.approx(best)
+        # a median, as every save and load it bounds is one: not the best single repeat
+        best = max(THREADS, key=lambda t: statistics.median(limits["GBps"][kind][t]["values"]))
+        assert str(limits["limit_threads"][kind]) == best
+        assert limits["limit"][kind] == pytest.approx(limits["GBps"][kind][best]["median"])
     for cost in ("torch_save", "torch_save_no_crc32", "torch_load"):
         per_rank = [rank[cost] for rank in limits["seconds_per_rank"]]
         speeds = [gbps(total, s) for s in zip(*per_rank, strict=True)]
@@ -194,7 +196,7 @@ def test_the_headline_is_the_best_save_and_load_against_the_limits(built, values
         ("save_GBps", "write_fsync", best_save),
         ("cold_load_GBps", "read_storage", best_load),
     ):
-        probe = max(values["limits"]["GBps"][kind].values(), key=lambda s: s["max"])
+        probe = values["limits"]["GBps"][kind][str(values["limits"]["limit_threads"][kind])]
         ours = knobs[knob][key]
         noise = max(max(ours) - min(ours), probe["spread"])
         assert statistics.median(ours) <= limit[kind] + noise, (knob, key)

@@ -1,20 +1,25 @@
 """Disk limits: how fast this machine writes + fsyncs, and reads, a checkpoint's bytes, the
 way DCP's ``FileSystemWriter`` and ``FileSystemReader`` do, and nothing else.
 
-``measure_limits`` runs on every rank (``run_on_ranks(disk.measure_limits, ...)``) with the
-rank's own shards. For 1, 2, 4 threads it splits them as ``FileSystemWriter(thread_count=N)``
-does (largest tensor first, into the emptiest bucket), and each thread writes one file
-straight from the tensors' memory (a ``memoryview``, no copy: ``tensor.numpy().tobytes()``
-would copy every tensor first, and a "limit" measured that way can be slower than DCP
-itself), then ``fsync``s it. It reads the files back into buffers it already touched, twice:
-after dropping them from the page cache (``evict``: from storage), and right after (from
-the page cache). All ranks write and read at the same time, as they do in a save; round 0
-warms up and is not kept. It also times what DCP does to every tensor besides the disk:
-``torch.save`` of each (no disk: into ``/dev/null``), with and without the CRC-32 of each
-record (``torch.load`` never checks it), and ``torch.load`` + copy (from memory).
+``probe_round`` runs on every rank with the rank's own shards, at the start of each of a
+page's own rounds (``probed_each_round``): each limit is measured in the minute of the
+saves and loads it bounds. For 1, 2, 4 threads it splits the shards as
+``FileSystemWriter(thread_count=N)`` does (largest tensor first, into the emptiest
+bucket), and each thread writes one file straight from the tensors' memory (a
+``memoryview``, no copy: ``tensor.numpy().tobytes()`` would copy every tensor first, and a
+"limit" measured that way can be slower than DCP itself), then ``fsync``s it. It reads the
+files back into buffers it already touched, twice: after dropping them from the page
+cache (``evict``: from storage), and right after (from the page cache). All ranks write
+and read at the same time, as they do in a save; the first round warms up and is not
+kept. The first round also times what DCP does to every tensor besides the disk
+(``serialization_seconds``): ``torch.save`` of each (no disk: into ``/dev/null``), with
+and without the CRC-32 of each record (``torch.load`` never checks it), and
+``torch.load`` + copy (from memory).
 
 ``bandwidths`` turns every rank's seconds into GB/s, all bytes over the slowest rank's
-time, and the limit of each kind: the best that any repeat with any thread count reached.
+time, and the limit of each kind: the best thread count's median. A median, as every
+save and load it bounds is one: the best single repeat would grow with the number of
+repeats, and this machine's reads vary more than twofold from one repeat to the next.
 
 Disk and copy limits, and checkpoints checked on disk.
 
@@ -155,48 +160,86 @@ def host_shards(model: torch.nn.Module) -> list[torch.Tensor]:
     return shards
 
 
-def measure_limits(
+def probe_round(tensors: Sequence[torch.Tensor], directory: str, threads: Sequence[int]) -> dict:
+    """One round of the probe on this rank: for each thread count, seconds of write + fsync,
+    of a read from storage and of a read from the page cache (``{kind: {threads: s}}``),
+    and whether every file read back held the bytes written. Removes its files."""
+    seconds: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+    read_back_equal = True
+    for count in threads:
+        path = os.path.join(directory, f"probe-{count}")
+        os.makedirs(path, exist_ok=True)
+        buckets = split_like_dcp(tensors, count)
+        files = [os.path.join(path, f"__{_rank()}_{i}.distcp") for i in range(count)]
+        write_s = _timed(_in_threads, write_and_sync, list(zip(files, buckets, strict=True)))
+        buffers = [torch.zeros(sum(t.nbytes for t in b), dtype=torch.uint8) for b in buckets]
+        reads = list(zip(files, buffers, strict=True))
+        evict(files)
+        storage_s = _timed(_in_threads, read_into, reads)  # from storage
+        cache_s = _timed(_in_threads, read_into, reads)  # from the page cache
+        for bucket, buffer in zip(buckets, buffers, strict=True):
+            written = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket])
+            read_back_equal = read_back_equal and torch.equal(written, buffer)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(path)
+        for kind, value in zip(KINDS, (write_s, storage_s, cache_s), strict=True):
+            seconds[kind][count] = value
+    return {"bytes": sum(t.nbytes for t in tensors), "seconds": seconds,
+            "read_back_equal": read_back_equal}  # fmt: skip
+
+
+def as_run(rounds: Sequence[dict], serialization: dict) -> dict:
+    """A rank's probe rounds (``probe_round``'s; the first warms up and is not kept) and its
+    ``serialization_seconds``, in the form ``bandwidths`` takes: every kept round's seconds
+    as a list per kind and thread count; ``read_back_equal`` over all rounds."""
+    kept = rounds[1:]
+    return {
+        "bytes": rounds[0]["bytes"],
+        "seconds": {
+            kind: {n: [r["seconds"][kind][n] for r in kept] for n in rounds[0]["seconds"][kind]}
+            for kind in KINDS
+        },
+        **serialization,
+        "read_back_equal": all(r["read_back_equal"] for r in rounds),
+    }
+
+
+@contextlib.contextmanager
+def probed_each_round(
+    name: str,
+    round_of: Callable[[observe.Call], str],
     make_model: Callable[[], torch.nn.Module],
     directory: str,
     threads: Sequence[int] = (1, 2, 4),
     repeats: int = 2,
-) -> dict:
-    """On one rank: seconds of write + fsync, of a read from storage and of a read from the
-    page cache for each thread count, ``repeats`` times after a warm-up round; seconds of
-    ``torch.save`` and ``torch.load`` + copy of every tensor; whether every file read back
-    held the bytes written. ``make_model()`` builds the model whose shards are written."""
-    tensors = host_shards(make_model())
-    seconds: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in threads} for kind in KINDS}
-    read_back_equal = True
-    for repeat in range(repeats + 1):  # round 0 warms up and is not kept
-        for count in threads:
-            path = os.path.join(directory, f"probe-{count}-{repeat}")
-            os.makedirs(path, exist_ok=True)
-            buckets = split_like_dcp(tensors, count)
-            files = [os.path.join(path, f"__{_rank()}_{i}.distcp") for i in range(count)]
-            writes = list(zip(files, buckets, strict=True))
-            write_s = _timed(_in_threads, write_and_sync, writes)
-            buffers = [torch.zeros(sum(t.nbytes for t in b), dtype=torch.uint8) for b in buckets]
-            reads = list(zip(files, buffers, strict=True))
-            evict(files)
-            storage_s = _timed(_in_threads, read_into, reads)  # from storage
-            cache_s = _timed(_in_threads, read_into, reads)  # from the page cache
-            for bucket, buffer in zip(buckets, buffers, strict=True):
-                written = torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket])
-                read_back_equal = read_back_equal and torch.equal(written, buffer)
-            _barrier()
-            if _rank() == 0:
-                shutil.rmtree(path)
-            if repeat > 0:
-                for kind, value in zip(KINDS, (write_s, storage_s, cache_s), strict=True):
-                    seconds[kind][count].append(value)
-    serialization = serialization_seconds(tensors, repeats)
-    return {
-        "bytes": sum(t.nbytes for t in tensors),
-        "seconds": seconds,
-        **serialization,
-        "read_back_equal": read_back_equal,
-    }
+) -> Iterator[list[dict]]:
+    """The probe in a page's own rounds: before the first call of the page's function
+    ``name`` in each round (``round_of(call)`` names the round; a new name starts one),
+    every rank runs ``probe_round``, so that each limit is measured in the minute of the
+    saves and loads it bounds (this machine's disk drifts from one minute to the next).
+    The first round warms up, and also times serialization (``repeats`` times). Yields a
+    list that holds, once the block ends, one ``as_run`` per rank, in rank order."""
+    tensors: list[torch.Tensor] = []
+    seen: list[str] = []
+
+    def probe(call: observe.Call) -> dict:
+        if not tensors:
+            tensors.extend(host_shards(make_model()))
+        found = probe_round(tensors, directory, threads)
+        if not seen:  # the warm-up round
+            found["serialization"] = serialization_seconds(tensors, repeats)
+        seen.append(round_of(call))
+        return found
+
+    runs: list[dict] = []
+    page = observe.page_module()
+    with observe.watch(
+        page, name, probe, before=True, where=lambda call: round_of(call) not in seen
+    ) as rounds:
+        yield runs
+    for _, per_rank in sorted(rounds.by_rank.items()):
+        runs.append(as_run(per_rank, per_rank[0]["serialization"]))
 
 
 def serialization_seconds(tensors: Sequence[torch.Tensor], repeats: int) -> dict:
@@ -234,9 +277,10 @@ def gbps(total_bytes: float, seconds_per_rank: Sequence[float]) -> float:
 
 
 def bandwidths(runs: Sequence[dict]) -> dict:
-    """Every rank's ``measure_limits`` as GB/s: per kind and thread count, the ``stats.summary``
-    of its repeats; the limit of each kind (the highest of them all); the serialization
-    costs; and the raw seconds, by rank."""
+    """Every rank's ``as_run`` as GB/s: per kind and thread count, the ``stats.summary``
+    of its repeats; the limit of each kind (the highest median of any thread count, and
+    which count that is: ``limit_threads``); the serialization costs; and the raw seconds,
+    by rank."""
     total = sum(run["bytes"] for run in runs)
 
     def per_repeat(per_rank: list[list[float]]) -> dict:
@@ -249,12 +293,14 @@ def bandwidths(runs: Sequence[dict]) -> dict:
         }
         for kind in KINDS
     }
+    best = {kind: max(kinds[kind], key=lambda n: kinds[kind][n]["median"]) for kind in KINDS}
     return {
         "ranks": len(runs),
         "bytes_per_rank": [run["bytes"] for run in runs],
         "total_bytes": total,
         "GBps": kinds,
-        "limit": {kind: max(s["max"] for s in kinds[kind].values()) for kind in KINDS},
+        "limit": {kind: kinds[kind][best[kind]]["median"] for kind in KINDS},
+        "limit_threads": best,
         "serialization_GBps": {
             kind: per_repeat([run[kind] for run in runs]) for kind in SERIALIZATION
         },
@@ -288,7 +334,8 @@ def storage_against_cache(limits: dict) -> dict:
 
 
 def table(limits: dict) -> figures.Table:
-    """The limits as the page shows them: GB/s, median (lowest-highest), and the limit."""
+    """The limits as the page shows them: GB/s, median (lowest-highest), and the limit (the
+    highest median)."""
     threads = list(next(iter(limits["GBps"].values())))
     rows = [
         [label, *(stats.median_range(limits["GBps"][kind][n]) for n in threads)]
@@ -305,7 +352,7 @@ def table(limits: dict) -> figures.Table:
         caption=(
             f"{limits['total_bytes'] / 1e6:,.0f} MB on {limits['ranks']} rank(s), median "
             f"(lowest-highest) of {len(limits['GBps']['write_fsync'][threads[0]]['values'])}; "
-            "torch.save and torch.load: one thread, no disk"
+            "limit: the highest median; torch.save and torch.load: one thread, no disk"
         ),
     )
 

@@ -101,15 +101,14 @@ BOUNDED_BY = {"save_GBps": "write_fsync", "cold_load_GBps": "read_storage",
 
 
 def beyond_limits(knobs: dict, limits: dict, not_durable: Sequence[str] = ()) -> list[dict]:
-    """Every knob measurement whose median beats its limit (the best any probe reached) by
-    more than noise: the larger spread of the knob's rounds and of the probe's repeats at
-    the thread count that reached it. A probe that measures something slower than what it
+    """Every knob measurement whose median beats its limit (the best median of the probe's
+    thread counts) by more than noise: the larger spread of the knob's rounds and of the
+    probe's repeats at that thread count. A probe that measures something slower than what it
     bounds shows here; a cold load within noise of this machine's storage does not (its
     reads vary twofold from minute to minute). ``not_durable`` saves are not bounded."""
-    # per kind, the repeats of the thread count whose best set the limit
+    # per kind, the repeats of the thread count that set the limit
     probes = {
-        kind: max(limits["GBps"][kind].values(), key=lambda s: s["max"])
-        for kind in BOUNDED_BY.values()
+        kind: limits["GBps"][kind][limits["limit_threads"][kind]] for kind in BOUNDED_BY.values()
     }
     found = []
     for name, knob in knobs.items():
