@@ -4,7 +4,8 @@ Fast saves and loads: the knobs, measured
 
 "Why is my save so slow?" has an answer only next to the machine's own limits.
 This recipe measures how fast this machine writes, syncs and reads a
-checkpoint's raw bytes, then times ``dcp.save`` and ``dcp.load`` with every
+checkpoint's raw bytes at the start of each round in which it times
+``dcp.save`` and ``dcp.load`` with every
 ``FileSystemWriter`` and planner knob, in safetensors (with a writer and a reader
 of its own that stream each tensor's bytes), and with torch_checkpointing, each as
 a fraction of those limits; and it saves a replicated (DDP) model.
@@ -123,10 +124,11 @@ print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1
 # one file and one ``fsync`` per thread. The page's probe (``page_tools.disk``)
 # writes the same buckets as raw bytes, then reads them back from storage and
 # from the page cache: an upper bound (DCP also runs ``torch.save`` on each
-# tensor, which the probe times apart, with ``torch.load``). It runs at the start
-# of every round below, in the minute of the saves and loads it bounds: a disk's
-# speed drifts. A limit is the best thread count's median, the statistic of every
-# row it bounds (a best single round grows with the rounds).
+# tensor, which the probe times apart in the warm-up round, with ``torch.load``).
+# It runs at the start of every round below, in the minute of the saves and loads
+# it bounds: a disk's speed drifts. A limit is the best thread count's median, the
+# same statistic as the rows it bounds (the best of N rounds rises as N grows). Its
+# table follows the rounds, in "The limits, from the probe's rounds".
 
 # %%
 # ``dcp.save`` and ``dcp.load`` with every knob
@@ -371,11 +373,12 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
 
 
 # %%
-# The page checks the warm-up round's checkpoints (each rank's shards as the
+# The page checks the warm-up round's DCP checkpoints (each rank's shards as the
 # save got them against what each load filled in, into a model set to NaN),
 # times each save's and load's planning (from the call to the first byte),
-# profiles the warm-up round's last two loads and the saves with 4 threads, no
-# CRC-32, and runs the probe of the limits before each round's first save.
+# profiles the warm-up round's ``enable_plan_caching=True`` loads (cold, then
+# warm) and the saves with 4 threads, no CRC-32, and runs the probe of the limits
+# before each round's first save.
 
 with (
     reads.load_phases(dcp, where=lambda path: "round0/enable_plan_caching" in path) as profiled,
@@ -392,15 +395,16 @@ with (
         lambda call: os.path.dirname(call.args[2]),
         lambda: build_sharded_model(0)[0],
         f"{WORK_DIR}/limits",
-        repeats=REPEATS,
+        repeats=REPEATS,  # serialization timings, in the warm-up round
     ) as limit_runs,
 ):
     knob_runs = run_on_ranks(save_and_load_every_way, f"{WORK_DIR}/knobs", REPEATS)
 proofs.loads_match_saves("knob-checkpoints-load-back", checked, "warm-up round, cold and warm")
 
 # %%
-# The limits, from the probe's rounds; reads from storage within noise of the
-# cache's mean a caching host:
+# The limits, from the probe's rounds (its warm-up round dropped, as the knobs'
+# is). Where one thread's reads from storage are within noise of its reads from
+# the page cache, the host probably caches the disk:
 
 LIMITS = results.record("limits", disk.bandwidths(limit_runs))
 results.claim(
@@ -451,7 +455,8 @@ figures.measured(
 )
 
 # %%
-# Where the cold load's time goes, per rank (cProfile): ``torch.load`` reading
+# Where the cold load's time goes in the warm-up round's
+# ``enable_plan_caching=True`` row, per rank (cProfile): ``torch.load`` reading
 # the bytes into new tensors, ``copy_`` into the model's, the rest (planning,
 # unpickling). The in-place reader (the loads of the "safetensors, streamed" row)
 # reads straight into the model's tensors, and skips the copy.

@@ -19,13 +19,12 @@ and without the CRC-32 of each record (``torch.load`` never checks it), and
 ``bandwidths`` turns every rank's seconds into GB/s, all bytes over the slowest rank's
 time, and the limit of each kind: the best thread count's median. A median, as every
 save and load it bounds is one: the best single repeat would grow with the number of
-repeats, and this machine's reads vary more than twofold from one repeat to the next.
-
-Disk and copy limits, and checkpoints checked on disk.
+repeats, and this machine's reads can vary twofold from one repeat to the next.
 
 No save can stage a checkpoint faster than the machine copies memory, or make it
 durable faster than the disk writes and syncs it. ``copy_and_write_speeds`` measures
-both on a rank, for that rank's share of a checkpoint: a copy into a buffer it already
+both on a rank (the best of a few repeats: the least time each takes here, what the
+stall pages measure their stalls in), for that rank's share of a checkpoint: a copy into a buffer it already
 touched (what a reused staging buffer does), a copy into pages new from the kernel (what
 fresh staging costs at worst: the kernel must also supply and zero every page), and a
 write plus ``fsync`` into the checkpoint directory. With an accelerator the copies go
@@ -163,7 +162,8 @@ def host_shards(model: torch.nn.Module) -> list[torch.Tensor]:
 def probe_round(tensors: Sequence[torch.Tensor], directory: str, threads: Sequence[int]) -> dict:
     """One round of the probe on this rank: for each thread count, seconds of write + fsync,
     of a read from storage and of a read from the page cache (``{kind: {threads: s}}``),
-    and whether every file read back held the bytes written. Removes its files."""
+    the rank's ``bytes``, and whether every file read back held the bytes written.
+    Rank 0 removes each thread count's folder once every rank is done with it."""
     seconds: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
     read_back_equal = True
     for count in threads:
@@ -218,8 +218,9 @@ def probed_each_round(
     ``name`` in each round (``round_of(call)`` names the round; a new name starts one),
     every rank runs ``probe_round``, so that each limit is measured in the minute of the
     saves and loads it bounds (this machine's disk drifts from one minute to the next).
-    The first round warms up, and also times serialization (``repeats`` times). Yields a
-    list that holds, once the block ends, one ``as_run`` per rank, in rank order."""
+    The first round warms up, and also times serialization ``repeats`` times (there are
+    as many probe rounds as the page's rounds). Yields a list that holds, once the block
+    ends, one ``as_run`` per rank, in rank order."""
     tensors: list[torch.Tensor] = []
     seen: list[str] = []
 
