@@ -21,15 +21,15 @@ time, and the limit of each kind: the best thread count's median. A median, as e
 save and load it bounds is one: the best single repeat would grow with the number of
 repeats, and this machine's reads can vary twofold from one repeat to the next.
 
-No save can stage a checkpoint faster than the machine copies memory, or make it
-durable faster than the disk writes and syncs it. ``copy_and_write_speeds`` measures
-both on a rank (the best of a few repeats: the least time each takes here, what the
-stall pages measure their stalls in), for that rank's share of a checkpoint: a copy into a buffer it already
-touched (what a reused staging buffer does), a copy into pages new from the kernel (what
-fresh staging costs at worst: the kernel must also supply and zero every page), and a
-write plus ``fsync`` into the checkpoint directory. With an accelerator the copies go
-from the device to host memory (pinned, for the reused buffer). ``slowest`` keeps the
-lowest of every rank's: a save waits for its slowest rank.
+No save can stage a checkpoint faster than the machine copies memory, or make it durable
+faster than the disk writes and syncs it. ``copy_and_write_speeds`` measures both on a
+rank (the best of a few repeats: the least time each takes here, what the stall pages
+measure their stalls in), for that rank's share of a checkpoint: a copy into a buffer it
+already touched (what a reused staging buffer does), a copy into pages new from the
+kernel (what fresh staging costs at worst: the kernel must also supply and zero every
+page), and a write plus ``fsync`` into the checkpoint directory. With an accelerator the
+copies go from the device to host memory (pinned, for the reused buffer). ``slowest``
+keeps the lowest of every rank's: a save waits for its slowest rank.
 
 ``checkpoint_on_disk(path)`` says whether a DCP checkpoint is complete: its
 ``.metadata`` (which DCP writes last) is there, and every byte range it lists is in its
