@@ -189,10 +189,10 @@ def probe_round(tensors: Sequence[torch.Tensor], directory: str, threads: Sequen
             "read_back_equal": read_back_equal}  # fmt: skip
 
 
-def as_run(rounds: Sequence[dict], serialization: dict) -> dict:
-    """A rank's probe rounds (``probe_round``'s; the first warms up and is not kept) and its
-    ``serialization_seconds``, in the form ``bandwidths`` takes: every kept round's seconds
-    as a list per kind and thread count; ``read_back_equal`` over all rounds."""
+def as_run(rounds: Sequence[dict]) -> dict:
+    """A rank's probe rounds (``probe_round``'s; the first warms up, is not kept, and holds
+    the ``serialization_seconds``) in the form ``bandwidths`` takes: every kept round's
+    seconds as a list per kind and thread count; ``read_back_equal`` over all rounds."""
     kept = rounds[1:]
     return {
         "bytes": rounds[0]["bytes"],
@@ -200,7 +200,7 @@ def as_run(rounds: Sequence[dict], serialization: dict) -> dict:
             kind: {n: [r["seconds"][kind][n] for r in kept] for n in rounds[0]["seconds"][kind]}
             for kind in KINDS
         },
-        **serialization,
+        **rounds[0]["serialization"],
         "read_back_equal": all(r["read_back_equal"] for r in rounds),
     }
 
@@ -239,8 +239,7 @@ def probed_each_round(
         page, name, probe, before=True, where=lambda call: round_of(call) not in seen
     ) as rounds:
         yield runs
-    for _, per_rank in sorted(rounds.by_rank.items()):
-        runs.append(as_run(per_rank, per_rank[0]["serialization"]))
+    runs.extend(as_run(per_rank) for _, per_rank in sorted(rounds.by_rank.items()))
 
 
 def serialization_seconds(tensors: Sequence[torch.Tensor], repeats: int) -> dict:
