@@ -392,8 +392,8 @@ with (
     timing.until_first(dcp, "load", dcp.FileSystemReader, "read_data") as load_planning,
     disk.probed_each_round(
         "timed",  # before a round's first timed save: the round's folder is new
-        lambda call: os.path.dirname(call.args[2]),
-        lambda: build_sharded_model(0)[0],
+        lambda call: os.path.dirname(call.args[2]),  # timed(save, model, path, ...)
+        lambda call: call.args[1],  # the model the rounds save: its shards, as raw bytes
         f"{WORK_DIR}/limits",
         repeats=REPEATS,  # serialization timings, in the warm-up round
     ) as limit_runs,

@@ -1126,21 +1126,25 @@ def test_the_probe_runs_before_each_rounds_first_call_and_bandwidths_take_the_be
     tmp_path, monkeypatch
 ):
     page = observe.page_module()
-    calls = []
-    monkeypatch.setattr(page, "timed_for_a_test", calls.append, raising=False)
+    calls, model = [], torch.nn.Linear(256, 256)
+
+    def timed_for_a_test(*args):
+        calls.append(args)
+
+    monkeypatch.setattr(page, "timed_for_a_test", timed_for_a_test, raising=False)
     with disk.probed_each_round(
         "timed_for_a_test",
         lambda call: os.path.dirname(call.args[0]),
-        lambda: torch.nn.Linear(256, 256),
+        lambda call: call.args[1],
         str(tmp_path),
         (1, 2),
         repeats=2,
     ) as runs:
         for round_number in range(3):  # a warm-up round, then 2 kept
             for knob in ("a", "b"):
-                page.timed_for_a_test(f"round{round_number}/{knob}")
+                page.timed_for_a_test(f"round{round_number}/{knob}", model)
     assert len(calls) == 6, "the page's function still runs, every time"
-    assert page.timed_for_a_test == calls.append, "and is itself again after the block"
+    assert page.timed_for_a_test is timed_for_a_test, "and is itself again after the block"
     assert len(runs) == 1, "one rank"
     run = runs[0]
     assert run["read_back_equal"] is True

@@ -209,24 +209,27 @@ def as_run(rounds: Sequence[dict]) -> dict:
 def probed_each_round(
     name: str,
     round_of: Callable[[observe.Call], str],
-    make_model: Callable[[], torch.nn.Module],
+    model_of: Callable[[observe.Call], torch.nn.Module],
     directory: str,
     threads: Sequence[int] = (1, 2, 4),
     repeats: int = 2,
 ) -> Iterator[list[dict]]:
     """The probe in a page's own rounds: before the first call of the page's function
     ``name`` in each round (``round_of(call)`` names the round; a new name starts one),
-    every rank runs ``probe_round``, so that each limit is measured in the minute of the
-    saves and loads it bounds (this machine's disk drifts from one minute to the next).
-    The first round warms up, and also times serialization ``repeats`` times (there are
-    as many probe rounds as the page's rounds). Yields a list that holds, once the block
-    ends, one ``as_run`` per rank, in rank order."""
+    every rank runs ``probe_round`` on the shards of ``model_of(call)``, the page's own
+    model (taken at the first call: no second copy is built; the probe only reads it,
+    and serialization's ``torch.load`` + copy writes each tensor's own bytes back), so
+    that each limit is measured in the minute of the saves and loads it bounds (this
+    machine's disk drifts from one minute to the next). The first round warms up, and
+    also times serialization ``repeats`` times (there are as many probe rounds as the
+    page's rounds). Yields a list that holds, once the block ends, one ``as_run`` per
+    rank, in rank order."""
     tensors: list[torch.Tensor] = []
     seen: list[str] = []
 
     def probe(call: observe.Call) -> dict:
         if not tensors:
-            tensors.extend(host_shards(make_model()))
+            tensors.extend(host_shards(model_of(call)))
         found = probe_round(tensors, directory, threads)
         if not seen:  # the warm-up round
             found["serialization"] = serialization_seconds(tensors, repeats)
