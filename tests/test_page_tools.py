@@ -1548,6 +1548,18 @@ def test_below_goal_is_met_missed_or_undecided():
     assert stats.below_goal([1.0, 1.1], [5.0, 5.0])["met"] is True
     assert stats.below_goal([5.0, 5.1], [1.0, 1.0])["met"] is False
     assert stats.below_goal([1.0, 3.0], [2.0, 2.1])["met"] is None
+    assert stats.below_goal([1.0, 3.0], [2.0])["met"] is None, "one limit for every round"
+
+
+def test_below_goal_pairs_rounds_so_a_slow_round_of_both_cannot_hide_a_miss():
+    # Each round's limit is 0.05x that round's reference: a slow round slows both.
+    values, limits = [0.29, 0.56, 0.86], [0.05, 0.07, 0.09]
+    assert stats.difference(values, limits)["within_noise"], "medians within the spread"
+    found = stats.below_goal(values, limits)
+    assert found["met"] is False and not found["within_noise"], "above in every round"
+    assert stats.below_goal([0.04, 0.08, 0.05], limits)["met"] is None, "on both sides"
+    with pytest.raises(ValueError, match="one per round"):
+        stats.below_goal(values, [0.05, 0.07])
 
 
 def test_a_stall_is_noise_only_where_a_round_waited_none():

@@ -450,9 +450,10 @@ def ratios(summary: dict, strategies: Sequence[str], copy_seconds: float) -> dic
 
 def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict:
     """Whether ``name`` meets each goal "at most g times dcp.save's": its values, round by
-    round, against g times dcp.save's (``stats.below_goal``; a stall as a factor), with the
-    sentence that says so. Where dcp.save's own effect is within noise, a multiple of it says
-    nothing: the goal is neither met nor missed (None)."""
+    round, against g times that round's dcp.save's (``stats.below_goal``: met where every
+    round is below, missed where every round is above), with the rounds that say so. Where
+    dcp.save's own effect is within noise, a multiple of it says nothing: the goal is
+    neither met nor missed (None)."""
     found = {}
     for metric, goal in goals_vs_dcp_save.items():
         heading, spec, unit, _ = METRICS[metric]
@@ -461,8 +462,10 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         limits = [goal * v for v in reference["values"]]
         factor = metric in WAITS
         outcome = stats.below_goal(values, limits, factor)
-        limit = f"{goal}x dcp.save's"
-        said, _ = stats.verdict(name, values, limit, limits, unit.strip(), factor=factor)
+        pairs = list(zip(values, limits, strict=True))
+        rounds = ", ".join(f"{value:.3g} vs {limit:.3g}" for value, limit in pairs)
+        below = sum(value < limit for value, limit in pairs)
+        said = f"below it in {below} of {len(pairs)} rounds ({rounds} {unit.strip()})"
         met = outcome["met"]
         if reference.get("within_noise"):
             met = None

@@ -186,13 +186,19 @@ def wait(values: Sequence[float]) -> dict:
 
 
 def below_goal(values: Sequence[float], limits: Sequence[float], factor: bool = False) -> dict:
-    """Whether measurements meet a goal "at most ``limits``" (one limit, or one per round):
-    ``met`` is True where the median is below the limit's median by more than the noise,
-    False where it is above by more, None where the difference is within noise (with
-    ``factor``: on the ratio scale, ``difference``)."""
-    diff = difference(values, limits, factor)
-    met = None if diff["within_noise"] else diff["a"]["median"] < diff["b"]["median"]
-    return {**diff, "met": met}
+    """Whether measurements meet a goal "at most ``limits``" (one limit per round, or one for
+    all), round by round: ``met`` is True where every round is below its limit, False where
+    every round is above it, None where the rounds fall on both sides (the spread of the
+    differences crosses zero: within noise). A round's limit comes from that round's own
+    reference run, so rounds pair; the ratio scale (``factor``) has the same signs. Returns
+    ``difference``'s numbers too, for the sentence that says so."""
+    paired = limits if len(limits) == len(values) else [limits[0]] * len(values)
+    if len(limits) not in (1, len(values)):
+        raise ValueError(f"{len(values)} rounds, {len(limits)} limits: one per round, or one")
+    diff = difference(values, paired, factor)
+    below = [value < limit for value, limit in zip(values, paired, strict=True)]
+    met = True if all(below) else False if not any(below) else None
+    return {**diff, "met": met, "within_noise": met is None}
 
 
 def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
