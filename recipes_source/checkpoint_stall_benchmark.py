@@ -508,8 +508,8 @@ stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
 # %%
 # The goals at ``make bench`` size (1 GB), per background strategy: a stall of at most
-# 0.02x ``dcp.save``'s, a total overhead of at most 0.05x, each round against its own
-# dcp.save: met where every round is below, missed where all are above. Headline: least stall.
+# 0.02x ``dcp.save``'s, a total overhead of at most 0.05x, each round against its own:
+# met where every round is below, missed where all are above. Headline: least stall.
 
 GOALS = stalls.goals_of(SUMMARY, STRATEGIES[3:], stall_per_checkpoint_s=0.02, overhead_s=0.05)
 results.record("goals", GOALS)  # for the strategies that stage in the background

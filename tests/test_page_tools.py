@@ -1560,6 +1560,8 @@ def test_below_goal_pairs_rounds_so_a_slow_round_of_both_cannot_hide_a_miss():
     assert stats.below_goal([0.04, 0.08, 0.05], limits)["met"] is None, "on both sides"
     with pytest.raises(ValueError, match="one per round"):
         stats.below_goal(values, [0.05, 0.07])
+    with pytest.raises(ValueError, match="one per round"):
+        stats.below_goal(values, [])
 
 
 def test_a_stall_is_noise_only_where_a_round_waited_none():
