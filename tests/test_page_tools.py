@@ -1557,7 +1557,9 @@ def test_below_goal_pairs_rounds_so_a_slow_round_of_both_cannot_hide_a_miss():
     assert stats.difference(values, limits)["within_noise"], "medians within the spread"
     found = stats.below_goal(values, limits)
     assert found["met"] is False and not found["within_noise"], "above in every round"
-    assert stats.below_goal([0.04, 0.08, 0.05], limits)["met"] is None, "on both sides"
+    assert found["rounds_below"] == 0
+    both_sides = stats.below_goal([0.04, 0.08, 0.05], limits)
+    assert both_sides["met"] is None and both_sides["rounds_below"] == 2, "on both sides"
     with pytest.raises(ValueError, match="one per round"):
         stats.below_goal(values, [0.05, 0.07])
     with pytest.raises(ValueError, match="one per round"):

@@ -462,10 +462,9 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         limits = [goal * v for v in reference["values"]]
         factor = metric in WAITS
         outcome = stats.below_goal(values, limits, factor)
-        pairs = list(zip(values, limits, strict=True))
-        rounds = ", ".join(f"{value:.3g} vs {limit:.3g}" for value, limit in pairs)
-        below = sum(value < limit for value, limit in pairs)
-        said = f"below it in {below} of {len(pairs)} rounds ({rounds} {unit.strip()})"
+        rounds = ", ".join(f"{v:.3g} vs {g:.3g}" for v, g in zip(values, limits, strict=True))
+        below = f"below it in {outcome['rounds_below']} of {len(values)} rounds"
+        said = f"{below} ({rounds} {unit.strip()})"
         met = outcome["met"]
         if reference.get("within_noise"):
             met = None

@@ -191,14 +191,14 @@ def below_goal(values: Sequence[float], limits: Sequence[float], factor: bool = 
     every round is above it, None where the rounds fall on both sides (the spread of the
     differences crosses zero: within noise). A round's limit comes from that round's own
     reference run, so rounds pair; the ratio scale (``factor``) has the same signs. Returns
-    ``difference``'s numbers too, for the sentence that says so."""
+    ``difference``'s numbers too, and how many rounds were below (``rounds_below``)."""
     if len(limits) not in (1, len(values)):
         raise ValueError(f"{len(values)} rounds, {len(limits)} limits: one per round, or one")
     paired = limits if len(limits) == len(values) else [limits[0]] * len(values)
     diff = difference(values, paired, factor)
     below = [value < limit for value, limit in zip(values, paired, strict=True)]
     met = True if all(below) else False if not any(below) else None
-    return {**diff, "met": met, "within_noise": met is None}
+    return {**diff, "met": met, "within_noise": met is None, "rounds_below": sum(below)}
 
 
 def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
