@@ -467,10 +467,28 @@ reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
 # %%
 # Where a save's time goes, with 4 threads and no CRC-32 (the median round), by the clock:
 # planning; each writer thread's ``torch.save`` + write, and ``fsync``; the
-# ``.metadata`` (rank 0 writes it); the rest. Only the write and ``fsync`` are the disk's.
+# ``.metadata`` (rank 0 writes it); the rest. The write fills the page cache (how fast
+# depends on the moment: below), and ``fsync`` waits for the disk.
 
 results.record("save_phases", saved.by_rank)
 reads.phases_table(saved, 4 * DEPTH * (WIDTH + 1) * WIDTH, "by the clock", reads.median_call)
+
+# %%
+# Why one save is fast and the same save slow a minute later
+# ----------------------------------------------------------
+# A write fills the page cache; ``fsync`` sends it to the disk. A virtual machine whose
+# kernel hands free memory back to its host (*free page reporting*) gets it back at the
+# host's pace: a write into memory freed a moment before (the last checkpoint's pages,
+# just removed) fills fast, one into memory that stayed free, slowly, and a limit or a
+# save measured just after the other kind of moment is off by that much. Each rank
+# fills a file's worth of page cache both ways, in turns; no byte reaches the disk.
+# What removes it is the machine's, not DCP's: a VM that keeps its freed memory.
+
+FILL_RUNS = run_on_ranks(
+    machine.page_cache_fills, f"{WORK_DIR}/fills", max(LIMITS["bytes_per_rank"]), REPEATS
+)
+FILLS = results.record("fills", machine.fills(FILL_RUNS))
+machine.fills_table(FILLS)
 
 # %%
 # Replicated state: deduplication to the lowest rank

@@ -3128,11 +3128,59 @@ def test_machine_title_names_cpu_cores_memory_storage_and_ranks():
     assert abs(facts["memory_gib"] - psutil.virtual_memory().total / 2**30) < 0.1
     title = machine.title()
     ranks = f"{facts['gpus']} GPU(s)" if facts["gpus"] else "CPU ranks (gloo)"
+    memory = f"{facts['memory_gib']} GiB memory"
+    memory += " (free page reporting)" if machine.reporting()["reports"] else ""
     host, storage = title.split("\n")
-    assert (
-        host == f"{facts['cpu']}, {os.cpu_count()} cores, {facts['memory_gib']} GiB memory; {ranks}"
-    )
+    assert host == f"{facts['cpu']}, {os.cpu_count()} cores, {memory}; {ranks}"
     assert storage == f"checkpoints on {facts['storage']}; torch {torch.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("features", "reports"),
+    [(["0110010100"], True), (["0110000100"], False), (["0001", "0110011"], True), ([], False)],
+)
+def test_machine_reporting_reads_the_balloon_devices_feature_bit(tmp_path, features, reports):
+    from page_tools import machine
+
+    devices, parameters = tmp_path / "virtio_balloon", tmp_path / "parameters"
+    for i, bits in enumerate(features):
+        (devices / f"virtio{i}").mkdir(parents=True)
+        (devices / f"virtio{i}" / "features").write_text(bits + "\n")
+    parameters.mkdir()
+    (parameters / "page_reporting_order").write_text("9\n")
+    found = machine.reporting(devices, parameters)
+    assert found == {"reports": reports, "block_kib": 2048 if reports else None}
+
+
+def test_page_cache_fills_time_both_kinds_each_round_and_leave_no_file(tmp_path, monkeypatch):
+    from page_tools import machine
+
+    monkeypatch.setattr(machine, "LEAST_FILL_BYTES", 2**20)
+    monkeypatch.setattr(machine, "REPORTED_KIB", tmp_path / "no-such-counter")
+    monkeypatch.setattr(machine, "IDLE_S", 0.01)
+    monkeypatch.setattr(machine, "LONGEST_IDLE_S", 0.01)
+    run = machine.page_cache_fills(str(tmp_path / "fills"), 1000, repeats=2)
+    assert run["bytes"] == 2**20  # at least LEAST_FILL_BYTES
+    assert [len(run["seconds"][kind]) for kind in ("just_freed", "idle")] == [2, 2]
+    assert all(s > 0 for kind in run["seconds"].values() for s in kind)
+    assert run["waited_s"] == [0.01, 0.01] and run["reported_mb"] == [None, None]
+    assert os.listdir(tmp_path / "fills") == []
+
+
+def test_fills_take_the_slowest_rank_per_round_and_decide_on_the_ratio_scale():
+    from page_tools import machine
+
+    def run(just_freed, idle):
+        return {"bytes": 10**9, "seconds": {"just_freed": just_freed, "idle": idle},
+                "waited_s": [1.0, 2.0, 3.0], "reported_mb": [5.0, 6.0, 7.0]}  # fmt: skip
+
+    slow = machine.fills([run([0.5, 0.5, 0.5], [2.0, 4.0, 2.0]), run([1.0, 0.5, 0.5], [2, 2, 2])])
+    assert slow["GBps"]["just_freed"] == [2.0, 4.0, 4.0]  # 2 GB over the slower rank's time
+    assert slow["GBps"]["idle"] == [1.0, 0.5, 1.0]
+    assert slow["slower"] == "slower" and slow["waited_s"] == [1.0, 2.0, 3.0]
+    same = machine.fills([run([0.5, 0.6, 0.5], [0.6, 0.5, 0.5])])
+    assert same["slower"] == "within noise"
+    assert str(machine.fills_table(slow)).splitlines()[-1].split()[-2:] == ["1.00", "(0.50-1.00)"]
 
 
 def test_a_timeline_figure_is_titled_with_the_machine():

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from page_tools import results as page_results
+from page_tools import stats
 from recipe_runner import (
     HTML,
     assert_no_traceback,
@@ -170,6 +171,22 @@ def test_the_timed_saves_are_the_measured_rounds_with_4_threads_and_no_crc32(val
             assert all(phases[name] > 0 for name in TIMED_PHASES[:-1]), (rank, record)
             assert (phases[TIMED_PHASES[-1]] > 0) == (rank == "0"), (rank, record)
             assert sum(phases.values()) <= record["total_s"], (rank, record)
+
+
+def test_the_page_cache_fills_are_the_slowest_ranks_each_round_with_their_verdict(values):
+    from page_tools import machine
+
+    fills, repeats = values["fills"], values["machine"]["repeats"]
+    per_rank = fills["seconds_per_rank"]
+    assert fills["bytes"] >= machine.LEAST_FILL_BYTES * len(per_rank)
+    for kind in ("just_freed", "idle"):
+        slowest = [max(s) for s in zip(*(rank[kind] for rank in per_rank), strict=True)]
+        assert fills["GBps"][kind] == pytest.approx([fills["bytes"] / s / 1e9 for s in slowest])
+        assert len(slowest) == repeats == len(fills["waited_s"])
+    diff = stats.difference(fills["GBps"]["idle"], fills["GBps"]["just_freed"], factor=True)
+    assert fills["slower"] == stats.word(diff, more="slower", less="faster")
+    assert fills["reporting"] == machine.reporting()
+    assert values["machine"]["free_page_reporting"] == fills["reporting"]["reports"]
 
 
 def test_the_headline_is_the_best_save_and_load_against_the_limits(built, values):

@@ -25,7 +25,7 @@ it proves:
 * ``processes``: the helper processes torch starts for a rank (a checkpoint process), and
   their logs;
 * ``figures``: tables rendered as HTML, and plots;
-* ``machine``: what the page ran on;
+* ``machine``: what the page ran on, and whether it hands free memory back to its host;
 * ``object_store``: a real S3 server (SeaweedFS) on loopback, for a page's length;
 * ``ports``: free loopback ports (a rendezvous, a server), for pages, tests and tools;
 * ``versions_matrix``: the committed version matrix (checkpoints saved by one torch
