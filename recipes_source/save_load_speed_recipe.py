@@ -476,6 +476,13 @@ reads.phases_table(saved, 4 * DEPTH * (WIDTH + 1) * WIDTH, "by the clock", reads
 # %%
 # Why one save is fast and the same save slow a minute later
 # ----------------------------------------------------------
+# Each round's profiled save beside its round's probe (the same bytes, as many threads,
+# raw writes, then ``fsync``), per writer thread: which of the two did it lose time in?
+
+BESIDE_PROBE = results.record("save_beside_probe", speeds.save_beside_probe(saved.by_rank, LIMITS))
+speeds.save_beside_probe_table(BESIDE_PROBE)
+
+# %%
 # A write fills the page cache; ``fsync`` sends it to the disk. A virtual machine whose
 # kernel hands free memory back to its host (*free page reporting*) gets it back at the
 # host's pace: a write into memory freed a moment before (the last checkpoint's pages,

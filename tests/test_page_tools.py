@@ -1122,6 +1122,32 @@ def test_split_like_dcp_puts_the_largest_tensor_first_into_the_emptiest_bucket()
     assert sum(len(b) for b in disk.split_like_dcp(tensors, 4)) == len(tensors)
 
 
+def test_save_beside_probe_pairs_each_save_with_its_rounds_probe_per_rank():
+    from page_tools import reads, speeds
+
+    def save(rank, number, write, fsync):
+        phases = dict.fromkeys(reads.SAVE_PHASES, 0.001)
+        phases.update({reads.SAVE_PHASES[1]: write, reads.SAVE_PHASES[2]: fsync})
+        return {"checkpoint_id": f"/w/knobs/round{number}/x", "total_s": 1.0, "phases": phases}
+
+    def probe(write, fsync):
+        return {4: {"write": write, "fsync": fsync}, 1: {"write": 9.0, "fsync": 9.0}}
+
+    limits = {"seconds_per_rank": [
+        {"write_phases": [probe(0.1, 0.2), probe(0.1, 0.4)]},
+        {"write_phases": [probe(0.2, 0.2), probe(0.5, 0.5)]},
+    ]}  # fmt: skip
+    saves = {1: [save(1, 2, 1.0, 0.5)], 0: [save(0, 1, 0.3, 0.2), save(0, 2, 0.2, 0.4)]}
+    found = speeds.save_beside_probe(saves, limits)
+    assert [(row["rank"], row["round"]) for row in found["rounds"]] == [(0, 1), (0, 2), (1, 2)]
+    assert found["rounds"][2]["probe"] == {"write": 0.5, "fsync": 0.5}, "rank 1's own round 2"
+    assert found["over_probe"]["write"]["values"] == pytest.approx([3.0, 2.0, 2.0])
+    assert found["over_probe"]["fsync"]["values"] == pytest.approx([1.0, 1.0, 1.0])
+    table = speeds.save_beside_probe_table(found)
+    assert table.rows[0] == [1, 0, "1000", "300 / 100", "200 / 200"]
+    assert "write 2.00 (2.00-3.00)x; fsync 1.00 (1.00-1.00)x" in table.caption
+
+
 def test_the_probe_runs_before_each_rounds_first_call_and_bandwidths_take_the_best(
     tmp_path, monkeypatch
 ):
@@ -1156,7 +1182,13 @@ def test_the_probe_runs_before_each_rounds_first_call_and_bandwidths_take_the_be
     assert len(run["torch_save"]) == len(run["torch_save_no_crc32"]) == len(run["torch_load"]) == 2
     assert torch.serialization.get_crc32_options() is True, "torch.save's CRC-32 back on"
     assert list(tmp_path.iterdir()) == [], "the probe removes its files"
+    assert [sorted(r) for r in run["write_phases"]] == [[1, 2], [1, 2]], "kept rounds, counts"
+    for kept, phases in enumerate(run["write_phases"]):
+        for count, split in phases.items():  # each thread's write, then fsync: within the whole
+            assert list(split) == list(disk.WRITE_PHASES) and min(split.values()) > 0
+            assert sum(split.values()) <= run["seconds"]["write_fsync"][count][kept]
     limits = disk.bandwidths([run, run])  # two ranks that took the same time
+    assert limits["seconds_per_rank"][1]["write_phases"] == run["write_phases"]
     per_repeat = [2 * run["bytes"] / s / 1e9 for s in run["seconds"]["write_fsync"][2]]
     assert limits["GBps"]["write_fsync"][2]["values"] == pytest.approx(per_repeat)
     medians = {n: stats.median(limits["GBps"]["read_cache"][n]["values"]) for n in (1, 2)}

@@ -173,6 +173,28 @@ def test_the_timed_saves_are_the_measured_rounds_with_4_threads_and_no_crc32(val
             assert sum(phases.values()) <= record["total_s"], (rank, record)
 
 
+def test_each_profiled_save_sits_beside_its_own_rounds_probe(values):
+    from page_tools import reads
+
+    beside, probes = values["save_beside_probe"], values["limits"]["seconds_per_rank"]
+    profiled = [
+        (int(rank), call) for rank, calls in values["save_phases"].items() for call in calls
+    ]
+    assert len(beside["rounds"]) == len(profiled) == values["machine"]["repeats"] * len(probes)
+    over = {"write": [], "fsync": []}
+    for row, (rank, call) in zip(beside["rounds"], sorted(profiled, key=lambda rc: rc[0])):
+        assert (row["rank"], row["save_s"]) == (rank, call["total_s"])
+        assert f"/round{row['round']}/" in call["checkpoint_id"]
+        probe = probes[rank]["write_phases"][row["round"] - 1][str(beside["threads"])]
+        assert row["probe"] == probe
+        save = [call["phases"][phase] for phase in reads.SAVE_PHASES[1:3]]
+        assert [row["save"]["write"], row["save"]["fsync"]] == save
+        for phase in over:
+            over[phase].append(row["save"][phase] / probe[phase])
+    for phase, ratios in over.items():
+        assert beside["over_probe"][phase]["values"] == pytest.approx(ratios)
+
+
 def test_the_page_cache_fills_are_the_slowest_ranks_each_round_with_their_verdict(values):
     from page_tools import machine
 

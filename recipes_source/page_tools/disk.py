@@ -65,6 +65,7 @@ KINDS = {
     "read_storage": "read from storage",
     "read_cache": "read from page cache",
 }
+WRITE_PHASES = ("write", "fsync")  # a probe thread's, by the clock: as a save's are timed
 SERIALIZATION = {
     "torch_save": "torch.save, no disk",
     "torch_save_no_crc32": "torch.save, no CRC-32",
@@ -106,13 +107,18 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write_and_sync(path: str, tensors: Sequence[torch.Tensor]) -> None:
-    """One writer thread's file: the tensors' own memory, then ``fsync``."""
+def write_and_sync(path: str, tensors: Sequence[torch.Tensor], phases: list | None = None) -> None:
+    """One writer thread's file: the tensors' own memory, then ``fsync``; where ``phases``
+    is given, appends the seconds of each, ``(write, fsync)``."""
     with open(path, "wb") as file:  # FileSystemWriter opens its files the same way
+        started = time.perf_counter()
         for tensor in tensors:
             file.write(_bytes_of(tensor))
         file.flush()
+        written = time.perf_counter()
         os.fsync(file.fileno())
+        if phases is not None:
+            phases.append((written - started, time.perf_counter() - written))
 
 
 def read_into(path: str, buffer: torch.Tensor) -> None:
@@ -162,16 +168,23 @@ def host_shards(model: torch.nn.Module) -> list[torch.Tensor]:
 def probe_round(tensors: Sequence[torch.Tensor], directory: str, threads: Sequence[int]) -> dict:
     """One round of the probe on this rank: for each thread count, seconds of write + fsync,
     of a read from storage and of a read from the page cache (``{kind: {threads: s}}``),
-    the rank's ``bytes``, and whether every file read back held the bytes written.
+    the write's two phases per thread (``write_phases``: ``{threads: {"write", "fsync"}}``,
+    each thread's seconds summed, over their number), the rank's ``bytes``, and whether
+    every file read back held the bytes written.
     Rank 0 removes each thread count's folder once every rank is done with it."""
     seconds: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+    write_phases: dict[int, dict[str, float]] = {}
     read_back_equal = True
     for count in threads:
         path = os.path.join(directory, f"probe-{count}")
         os.makedirs(path, exist_ok=True)
         buckets = split_like_dcp(tensors, count)
         files = [os.path.join(path, f"__{_rank()}_{i}.distcp") for i in range(count)]
-        write_s = _timed(_in_threads, write_and_sync, list(zip(files, buckets, strict=True)))
+        phases: list[tuple[float, float]] = []  # each thread's (write, fsync)
+        writes = [(file, bucket, phases) for file, bucket in zip(files, buckets, strict=True)]
+        write_s = _timed(_in_threads, write_and_sync, writes)
+        write_phases[count] = {phase: sum(p[i] for p in phases) / count for i, phase in
+                               enumerate(WRITE_PHASES)}  # fmt: skip
         buffers = [torch.zeros(sum(t.nbytes for t in b), dtype=torch.uint8) for b in buckets]
         reads = list(zip(files, buffers, strict=True))
         evict(files)
@@ -186,13 +199,14 @@ def probe_round(tensors: Sequence[torch.Tensor], directory: str, threads: Sequen
         for kind, value in zip(KINDS, (write_s, storage_s, cache_s), strict=True):
             seconds[kind][count] = value
     return {"bytes": sum(t.nbytes for t in tensors), "seconds": seconds,
-            "read_back_equal": read_back_equal}  # fmt: skip
+            "write_phases": write_phases, "read_back_equal": read_back_equal}  # fmt: skip
 
 
 def as_run(rounds: Sequence[dict]) -> dict:
     """A rank's probe rounds (``probe_round``'s; the first warms up, is not kept, and holds
     the ``serialization_seconds``) in the form ``bandwidths`` takes: every kept round's
-    seconds as a list per kind and thread count; ``read_back_equal`` over all rounds."""
+    seconds as a list per kind and thread count; each kept round's ``write_phases``, in
+    order; ``read_back_equal`` over all rounds."""
     kept = rounds[1:]
     return {
         "bytes": rounds[0]["bytes"],
@@ -200,6 +214,7 @@ def as_run(rounds: Sequence[dict]) -> dict:
             kind: {n: [r["seconds"][kind][n] for r in kept] for n in rounds[0]["seconds"][kind]}
             for kind in KINDS
         },
+        "write_phases": [r["write_phases"] for r in kept],
         **rounds[0]["serialization"],
         "read_back_equal": all(r["read_back_equal"] for r in rounds),
     }
@@ -283,7 +298,7 @@ def bandwidths(runs: Sequence[dict]) -> dict:
     """Every rank's ``as_run`` as GB/s: per kind and thread count, the ``stats.summary``
     of its repeats; the limit of each kind (the highest median of any thread count, and
     which count that is: ``limit_threads``); the serialization costs; and the raw seconds,
-    by rank."""
+    with the write phases of each kept round, by rank."""
     total = sum(run["bytes"] for run in runs)
 
     def per_repeat(per_rank: list[list[float]]) -> dict:
@@ -308,9 +323,13 @@ def bandwidths(runs: Sequence[dict]) -> dict:
             kind: per_repeat([run[kind] for run in runs]) for kind in SERIALIZATION
         },
         "seconds_per_rank": [
-            {"seconds": run["seconds"], **{kind: run[kind] for kind in SERIALIZATION}}
+            {
+                "seconds": run["seconds"],
+                "write_phases": run["write_phases"],
+                **{kind: run[kind] for kind in SERIALIZATION},
+            }
             for run in runs
-        ],
+        ],  # fmt: skip
     }
 
 

@@ -8,10 +8,11 @@ the defaults (``advice``), every comparison with its noise verdict (``stats.verd
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
-from page_tools import disk, figures, results, stats
+from page_tools import disk, figures, reads, results, stats
 
 
 def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
@@ -157,4 +158,49 @@ def replicated_table(found: dict, repeats: int) -> figures.Table:
         ],
         caption=f"MB each rank wrote, of the {found['bytes_held'] / 1e6:.1f} MB that every rank "
         f"holds; save GB/s: median (lowest-highest) of {repeats}",
+    )
+
+
+def save_beside_probe(saves: dict[int, list[dict]], limits: dict, threads: int = 4) -> dict:
+    """Every measured round's profiled save (``reads.save_phases``'s records, by rank) beside
+    the probe's write and ``fsync`` with as many threads, in the same round on the same
+    rank, each per writer thread (``disk.WRITE_PHASES``); and the save's over the probe's,
+    per phase, over every round and rank (``stats.summary``)."""
+    rows: list[dict] = []
+    over: dict[str, list[float]] = {phase: [] for phase in disk.WRITE_PHASES}
+    for rank, records in sorted(saves.items()):
+        probed = limits["seconds_per_rank"][rank]["write_phases"]  # kept rounds: 1, 2, ...
+        for record in records:
+            number = int(re.search(r"/round(\d+)/", record["checkpoint_id"]).group(1))
+            probe = probed[number - 1][threads]
+            timed = [record["phases"][phase] for phase in reads.SAVE_PHASES[1:3]]
+            save = dict(zip(disk.WRITE_PHASES, timed, strict=True))  # torch.save + write, fsync
+            rows.append({"rank": rank, "round": number, "save_s": record["total_s"],
+                         "save": save, "probe": probe})  # fmt: skip
+            for phase in disk.WRITE_PHASES:
+                over[phase].append(save[phase] / probe[phase])
+    return {"threads": threads, "rounds": rows,
+            "over_probe": {phase: stats.summary(v) for phase, v in over.items()}}  # fmt: skip
+
+
+def save_beside_probe_table(found: dict) -> figures.Table:
+    """``save_beside_probe``'s rounds, in ms, with the save's over the probe's per phase."""
+
+    def pair(row: dict, phase: str) -> str:
+        return f"{row['save'][phase] * 1e3:.0f} / {row['probe'][phase] * 1e3:.0f}"
+
+    rows = [
+        [row["round"], row["rank"], f"{row['save_s'] * 1e3:.0f}"]
+        + [pair(row, phase) for phase in disk.WRITE_PHASES]
+        for row in found["rounds"]
+    ]
+    over = "; ".join(
+        f"{p} {stats.median_range(found['over_probe'][p])}x" for p in disk.WRITE_PHASES
+    )
+    threads = found["threads"]
+    return figures.Table(
+        ["round", "rank", "save ms", "write ms, save / probe", "fsync ms, save / probe"],
+        rows,
+        caption=f"per writer thread, {threads} each (the save's write: torch.save + write); "
+        f"the save's over the probe's, median (lowest-highest): {over}",
     )
