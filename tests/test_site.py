@@ -68,6 +68,7 @@ TROUBLESHOOTING_SECTIONS = [
     "A checkpoint process runs out of",
     "A stager that is never closed",
     "The checkpoint directory differs between ranks",
+    "speed changes from one minute to the next",
 ]
 
 

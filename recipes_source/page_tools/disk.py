@@ -329,7 +329,7 @@ def bandwidths(runs: Sequence[dict]) -> dict:
                 **{kind: run[kind] for kind in SERIALIZATION},
             }
             for run in runs
-        ],  # fmt: skip
+        ],
     }
 
 
