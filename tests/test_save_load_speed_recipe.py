@@ -182,7 +182,8 @@ def test_each_profiled_save_sits_beside_its_own_rounds_probe(values):
     ]
     assert len(beside["rounds"]) == len(profiled) == values["machine"]["repeats"] * len(probes)
     over = {"write": [], "fsync": []}
-    for row, (rank, call) in zip(beside["rounds"], sorted(profiled, key=lambda rc: rc[0])):
+    by_rank = sorted(profiled, key=lambda rank_and_call: rank_and_call[0])  # rounds in order
+    for row, (rank, call) in zip(beside["rounds"], by_rank, strict=True):
         assert (row["rank"], row["save_s"]) == (rank, call["total_s"])
         assert f"/round{row['round']}/" in call["checkpoint_id"]
         probe = probes[rank]["write_phases"][row["round"] - 1][str(beside["threads"])]
