@@ -9,7 +9,7 @@ reports memory that stays free for about a second to the host, in blocks of
 memory next waits for the host to supply every page again. A save writes into the page
 cache first: it fills fast where it reuses memory freed a moment before (the previous
 checkpoint's pages, just removed) and slowly where its memory has been free for a while,
-so the same save, on the same disk, can take twice as long a minute later.
+so the same save, on the same disk, can take much longer a minute later.
 
 ``reporting()`` says whether this machine reports free memory, from the balloon device's
 negotiated features in sysfs (nothing is changed); ``describe`` and ``title`` say it too.
@@ -17,10 +17,10 @@ negotiated features in sysfs (nothing is changed); ``describe`` and ``title`` sa
 worth of page cache right after removing a file of the same size (the kernel hands those
 pages straight back) and after that memory stayed free until the kernel had reported half
 of it (this machine's kernel counts what it reported; elsewhere, for a few seconds). No
-byte reaches the disk: a removed file's dirty pages are dropped, never written. ``fills`` turns
-every rank's seconds into GB/s, all bytes over the slowest rank's time, and decides on
-the ratio scale (``stats``) whether idle memory fills slower beyond noise; ``fills_table``
-renders it.
+byte reaches the disk: a removed file's dirty pages are dropped, never written. ``fills``
+turns every rank's seconds into GB/s, all bytes over the slowest rank's time, and decides
+on the ratio scale (``stats``) whether idle memory fills slower beyond noise;
+``fills_table`` renders it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ FILL_KINDS = {"just_freed": "right after as much was freed", "idle": "after it s
 # memory taken (here, 32 MB found none in some rounds; 128 MB and more, some in every one).
 LEAST_FILL_BYTES = 2**28
 REPORTED_KIB = REPORTING_PARAMETERS / "reported_kib"
-IDLE_S, LONGEST_IDLE_S = 2.0, 8.0  # here a report came within 2 s, the first of a run in 8
+# Here half a file's worth was reported 0.5 to 2 s after the file went, at times later
+# or never; the fill after 8 s was slow either way.
+IDLE_S, LONGEST_IDLE_S = 2.0, 8.0
 
 
 def reporting(devices: Path = BALLOON_DEVICES, parameters: Path = REPORTING_PARAMETERS) -> dict:
