@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from rank_launcher import machine_facts
 
-from page_tools import figures, stats
+from page_tools import disk, figures, stats
 
 BALLOON_DEVICES = Path("/sys/bus/virtio/drivers/virtio_balloon")
 REPORTING_FEATURE_BIT = 5  # VIRTIO_BALLOON_F_REPORTING, in the virtio specification
@@ -143,7 +143,7 @@ def fills(runs: Sequence[dict]) -> dict:
     machine's ``reporting()``, and the raw seconds, by rank."""
     total = sum(run["bytes"] for run in runs)
     speeds = {
-        kind: [total / max(per_round) / 1e9 for per_round in
+        kind: [disk.gbps(total, per_round) for per_round in
                zip(*(run["seconds"][kind] for run in runs), strict=True)]
         for kind in FILL_KINDS
     }  # fmt: skip
