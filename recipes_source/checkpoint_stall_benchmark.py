@@ -131,7 +131,8 @@ def device_for_this_rank():
 def build_sharded_model(seed):
     torch.manual_seed(seed)
     model = ToyModel().to(device_for_this_rank())
-    fully_shard(model)  # every parameter becomes a DTensor sharded over all ranks
+    for module in (*model.layers, model):  # each layer, then the rest, as FSDP2 intends:
+        fully_shard(module)  # parameters become DTensors; one all-gather per layer as it runs
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
 
@@ -290,8 +291,7 @@ def set_up_training():
 
 def starting_point(model, optimizer):
     """Keep a copy of the weights and the optimizer's state; returns what puts it back."""
-    tensors = list(model.parameters())
-    tensors += [value for state in optimizer.state.values() for value in state.values()]
+    tensors = [*model.parameters()] + [v for s in optimizer.state.values() for v in s.values()]
     saved = [tensor.detach().clone() for tensor in tensors]
 
     def restore():

@@ -126,7 +126,8 @@ def device_for_this_rank():
 def build_sharded_model(seed):
     torch.manual_seed(seed)
     model = ToyModel().to(device_for_this_rank())
-    fully_shard(model)  # every parameter becomes a DTensor sharded over all ranks
+    for module in (*model.layers, model):  # each layer, then the rest, as FSDP2 intends:
+        fully_shard(module)  # parameters become DTensors; one all-gather per layer as it runs
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
 

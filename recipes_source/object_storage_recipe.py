@@ -148,7 +148,8 @@ def device_for_this_rank():
 def build_sharded_model(seed):
     torch.manual_seed(seed)
     model = ToyModel().to(device_for_this_rank())
-    fully_shard(model)  # every parameter becomes a DTensor sharded over all ranks
+    for module in (*model.layers, model):  # each layer, then the rest, as FSDP2 intends:
+        fully_shard(module)  # parameters become DTensors; one all-gather per layer as it runs
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
 
@@ -251,10 +252,9 @@ proofs.same_state("load-on-three-ranks", saved, on_three, "loaded on 3 ranks vs 
 # %%
 # Complete means committed
 # ------------------------
-# An object store has no directories and no rename (s3fs copies, then
-# deletes). DCP uploads ``.metadata`` last: a prefix without it did not
-# finish. The check is the ``verify_checkpoint`` of
-# :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`: it reads through fsspec.
+# An object store has no directories and no rename (s3fs copies, then deletes). DCP
+# uploads ``.metadata`` last: a prefix without it did not finish. The check reads via
+# fsspec: the ``verify_checkpoint`` of :ref:`sphx_glr_recipes_verify_checkpoint_recipe.py`.
 
 
 class IncompleteCheckpointError(RuntimeError):

@@ -136,7 +136,8 @@ def device_for_this_rank():
 def build_sharded_model(seed):
     torch.manual_seed(seed)
     model = ToyModel().to(device_for_this_rank())
-    fully_shard(model)  # every parameter becomes a DTensor sharded over all ranks
+    for module in (*model.layers, model):  # each layer, then the rest, as FSDP2 intends:
+        fully_shard(module)  # parameters become DTensors; one all-gather per layer as it runs
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
 
@@ -371,11 +372,10 @@ uninterrupted = run_on_ranks(train, uninterrupted_root)
 # %%
 # A restart under torchrun
 # ------------------------
-# The same job, now as this file under ``torchrun --max-restarts=1``, started
-# here as a subprocess. Attempt 0 loses its last worker at step 45, after step
-# 40 was saved; the agent restarts both workers (attempt 1), which resume from
-# step 40. A notebook has no file to hand to torchrun: run this cell from the
-# recipe's ``.py`` file.
+# The same job, now as this file under ``torchrun --max-restarts=1``, started here as a
+# subprocess. Attempt 0 loses its last worker at step 45, after step 40 was saved; the
+# agent restarts both workers (attempt 1), which resume from step 40. A notebook has no
+# file to hand to torchrun: run this cell from the recipe's ``.py`` file.
 
 
 def run_torchrun(checkpoint_root, nproc):
