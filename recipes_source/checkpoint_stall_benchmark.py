@@ -71,13 +71,13 @@ print(f"torch {torch.__version__}: {CHECKPOINT_GB} GB, {ROUNDS} rounds after a w
 # %%
 # The model and the state a checkpoint holds
 # ------------------------------------------
-# Square ``Linear`` layers, sharded with FSDP2 over all ranks, trained with
-# Adam. A checkpoint holds the parameters and Adam's two moments (12 bytes per
-# parameter): the model's size follows from the checkpoint's.
+# Square ``Linear`` layers, sharded with FSDP2, trained with Adam on batches of 128: a
+# forward and backward pass long enough for staging to hide in, as on a GPU. A checkpoint
+# holds weights and Adam's two moments (12 bytes per parameter), and sizes the model.
 
 PARAMETERS = CHECKPOINT_GB * 1e9 / 12
 WIDTH = 1024 if PARAMETERS < 50e6 else 2048
-DEPTH, BATCH, LR = max(1, round(PARAMETERS / (WIDTH * WIDTH + WIDTH))), 16, 1e-4
+DEPTH, BATCH, LR = max(1, round(PARAMETERS / (WIDTH * WIDTH + WIDTH))), 128, 1e-4
 
 
 class ToyModel(nn.Module):
