@@ -35,6 +35,7 @@ its spread; a difference smaller than its spread is noise, never advice.
 # A small model, to build in seconds. The file runs as it is under ``torchrun``:
 # ``make bench`` runs it so, with ``DCP_RECIPES_BENCH=1`` (1 GB).
 
+import ctypes.util
 import functools
 import gc
 import math
@@ -236,13 +237,8 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
     writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # host copy: no GPU 0 context
     in_process = strategy == "process writer"
     checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
-    response = dcp.async_save(
-        state_dict,
-        storage_writer=writer,
-        process_group=group,
-        async_stager=stager,
-        async_checkpointer_type=checkpointer,
-    )
+    options = dict(storage_writer=writer, process_group=group, async_stager=stager)
+    response = dcp.async_save(state_dict, async_checkpointer_type=checkpointer, **options)
     return response.staging_completion, response.upload_completion
 
 
@@ -282,6 +278,7 @@ def train_step(model, optimizer, batch, staging):
 
 def set_up_training():
     """This rank's model, optimizer and batch, after Adam's first step."""
+    keep_freed_host_memory()  # glibc's malloc: see "Thread budget, and memory a step frees"
     model, optimizer = build_sharded_model(seed=0)
     torch.manual_seed(100 + dist.get_rank())  # each rank trains on its own data
     batch = torch.rand(BATCH, WIDTH, device=device_for_this_rank())
@@ -310,8 +307,7 @@ def starting_point(model, optimizer):
 # 2 and 4 times a save's time, the others at 4 (``dcp.save``: 0.5; no checkpoint: 2).
 
 MULTIPLES = (0.5, 1, 2, 4)  # checkpoint intervals, in multiples of a save's time
-HEADLINE_MULTIPLE = 4
-SWEPT = ("DefaultStager overlap",)  # at every interval
+HEADLINE_MULTIPLE, SWEPT = 4, ("DefaultStager overlap",)  # SWEPT: at every interval
 
 
 def steps_between_checkpoints(save_s, step_s, multiple=HEADLINE_MULTIPLE):
@@ -323,11 +319,8 @@ def intervals_of(strategy, threads):
     """The multiples a run checkpoints at (the thread knob's runs: at 1)."""
     if threads != THREADS:
         return (1,)
-    if strategy == "no checkpoint":
-        return (2,)  # the baseline: steps enough for a step's time
-    if strategy == "dcp.save":
-        return (MULTIPLES[0],)
-    return MULTIPLES if strategy in SWEPT else (HEADLINE_MULTIPLE,)
+    fixed = {"no checkpoint": (2,), "dcp.save": (MULTIPLES[0],)}  # 2: steps enough for a median
+    return fixed.get(strategy, MULTIPLES if strategy in SWEPT else (HEADLINE_MULTIPLE,))
 
 
 # %%
@@ -374,10 +367,19 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
 
 
 # %%
-# Thread budget
-# -------------
+# Thread budget, and memory a step frees
+# --------------------------------------
 # A background writer needs CPU time while training runs: ``torch.set_num_threads``
 # leaves a core per rank to it (forked ranks: one thread; ``torchrun``: a knob too).
+# On CPU, glibc's ``malloc`` gives each layer's all-gather block back to the kernel, to
+# fault it in again at every step (noise in every step): each rank keeps them instead.
+
+
+def keep_freed_host_memory(largest_block=32 << 20):
+    """glibc: blocks up to ``largest_block`` from the heap, never trimmed (False elsewhere)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    settings = {-3: largest_block, -1: 2**31 - 1}  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    return hasattr(libc, "mallopt") and all(libc.mallopt(*kv) == 1 for kv in settings.items())
 
 
 CORES_PER_RANK = (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -549,9 +551,7 @@ neighbors.table(HELPED)
 # Left: the stall per checkpoint (log scale), with one memory copy of a rank's
 # share. Right: the total overhead. Bars: medians; whiskers: lowest and highest.
 
-FIGURE = stalls.figure(
-    SUMMARY, STRATEGIES[1:], LIMITS, f"every {HEADLINE_MULTIPLE}x a save's time, {ROUNDS} rounds"
-)
+FIGURE = stalls.figure(SUMMARY, STRATEGIES[1:], LIMITS, HEADLINE_MULTIPLE, ROUNDS)
 figures.save_beside(FIGURE, results.results_path())  # make bench: beside the results file
 
 # %%

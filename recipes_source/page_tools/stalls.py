@@ -750,16 +750,17 @@ def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: fl
     }
 
 
-def figure(summary: dict, names: Sequence[str], found_limits: dict, what: str):
+def figure(summary: dict, names: Sequence[str], found_limits: dict, multiple: float, rounds: int):
     """Left: the stall per checkpoint (log scale), with one copy of a rank's share for
     reference. Right: the total overhead (stall and slower steps). Medians, with
     the lowest and highest round as whiskers. The title names the machine (with the
     storage of the temporary directory, where ``shared_tempdir`` puts checkpoints), the
-    size and ``what`` ran."""
+    size, the interval (``multiple`` times a save's time) and the rounds."""
     copy_seconds = found_limits["copy_s"]
     title = (
         f"{machine.title()}\ncheckpoint {found_limits['checkpoint_bytes'] / 1e9:.2f} GB, "
-        f"{len(found_limits['GBps_per_rank'])} rank(s), {what}"
+        f"{len(found_limits['GBps_per_rank'])} rank(s), every {multiple}x a save's time, "
+        f"{rounds} rounds"
     )
     stalls_ = [summary[n]["stall_per_checkpoint_s"] for n in names]
     totals = [summary[n]["overhead_s"] for n in names]
