@@ -69,6 +69,7 @@ TROUBLESHOOTING_SECTIONS = [
     "A stager that is never closed",
     "The checkpoint directory differs between ranks",
     "speed changes from one minute to the next",
+    "Training steps on CPU vary in time, with page faults in every step",
 ]
 
 
