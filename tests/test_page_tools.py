@@ -1483,6 +1483,43 @@ def test_peak_sampler_sees_memory_allocated_while_it_runs():
     assert measured["baseline_mb"] > 0 and measured["samples"] >= 3
 
 
+_REUSED_HEAP = """
+import ctypes, json, psutil, time, torch
+from page_tools import memory
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 32 << 20), libc.mallopt(-1, 2**31 - 1)  # the stall page's: freed memory kept
+blocks = [torch.ones(2 << 20) for _ in range(40)]  # 40 x 8 MB, from the heap
+del blocks
+before = psutil.Process().memory_info().rss
+sampler = memory.PeakSampler(interval_s=0.005).start()
+after_start = psutil.Process().memory_info().rss
+blocks = [torch.ones(2 << 20) for _ in range(40)]  # the same memory again
+deadline = time.monotonic() + 30
+while sampler.samples < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+reused = {"given_back_mb": (before - after_start) / 1e6, **sampler.stop()}
+sampler = memory.PeakSampler(interval_s=0.005).start()
+shared = torch.ones(16 << 20).share_memory_()  # 64 MB in shared memory, as a staged copy
+deadline = time.monotonic() + 30
+while sampler.samples < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps({"reused": reused, "shared": sampler.stop()}))
+"""
+
+
+def test_peak_sampler_counts_a_freed_heap_reused_and_shared_memory_and_gives_nothing_back():
+    # A run that reuses the heap an earlier run freed grows by it; starting the sampler
+    # leaves that heap resident (a trim would make the timed steps fault it in again).
+    env = dict(os.environ, PYTHONPATH=str(RECIPES))
+    run = subprocess.run([sys.executable, "-c", _REUSED_HEAP], env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    measured = json.loads(run.stdout.decode().splitlines()[-1])
+    reused, shared = measured["reused"], measured["shared"]
+    assert reused["given_back_mb"] < 50, reused
+    assert 250 < reused["peak_mb"] < 500, reused
+    assert 50 < shared["peak_mb"] < 200, shared
+
+
 class _Run:
     def begin(self):
         return "began"

@@ -33,12 +33,15 @@ difference within the spread of either window is noise, never growth.
 
 Host memory: the peak a process (with the helper processes it started) reaches.
 
-``PeakSampler`` samples a process's resident memory every few milliseconds, plus the
-private memory of its child processes (DCP's checkpoint process: the staged copy it
-shares with its parent is counted once), and keeps the peak above where it started.
-Before it starts it hands memory that the process freed back to the system
-(``give_back_freed_memory``), so that what a measured run allocates cannot hide in
-memory an earlier run freed.
+``PeakSampler`` samples the memory a process holds every few milliseconds: its live heap
+allocations (glibc's ``mallinfo2``: in use and mapped) and resident shared memory, plus the
+private memory of its child processes (DCP's checkpoint process: the staged copy it shares
+with its parent is counted once), and keeps the peak above where it started. A run that
+reuses heap an earlier one freed still grows by it, and nothing is handed back to the
+system first: a trim (``give_back_freed_memory``) leaves the heap's free pages to be
+faulted in again by the steps it times (on CPU, thousands to tens of thousands of faults
+in the first two steps of a run). Without glibc's counters, it trims, then reads resident
+memory.
 
 ``peak_between(start, stop)`` measures each stretch of a page's ranks from a call of
 one torch function to a call of another (a run of a loop, from the process group it
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import shutil
@@ -313,15 +317,24 @@ class MallInfo2(ctypes.Structure):
     ]
 
 
+@functools.cache
+def _mallinfo2() -> Callable[[], MallInfo2] | None:
+    """glibc's ``mallinfo2`` (2.33 or later), or None without it."""
+    with contextlib.suppress(OSError, AttributeError):
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+        mallinfo2.restype = MallInfo2
+        return mallinfo2
+    return None
+
+
 def malloc_counters() -> dict[str, int] | None:
     """Bytes in live allocations, freed but kept by the allocator, and in mapped blocks
     (glibc 2.33 or later); None elsewhere."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.mallinfo2.restype = MallInfo2
-        info = libc.mallinfo2()
-        return {"in_use": info.uordblks, "free_kept": info.fordblks, "mmapped": info.hblkhd}
-    return None
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return {"in_use": info.uordblks, "free_kept": info.fordblks, "mmapped": info.hblkhd}
 
 
 def heap_at(
@@ -501,9 +514,23 @@ def headline(summaries: dict[str, dict]) -> dict:
     }
 
 
-def resident_bytes(process: psutil.Process, children: list[psutil.Process]) -> int:
-    """``process``'s resident memory plus its ``children``'s private (resident, not shared)."""
-    total = process.memory_info().rss
+def held_bytes() -> int | None:
+    """What this process holds: its live heap allocations (glibc's ``mallinfo2``: in use
+    and mapped, not what the heap keeps free) and its resident shared memory; None
+    without glibc 2.33 or later."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd + int(_status_mib("RssShmem") * 2**20)
+
+
+def resident_bytes(
+    process: psutil.Process, children: list[psutil.Process], own: int | None = None
+) -> int:
+    """``process``'s resident memory (or ``own``) plus its ``children``'s private (resident,
+    not shared)."""
+    total = process.memory_info().rss if own is None else own
     for child in children:
         with contextlib.suppress(psutil.Error):
             info = child.memory_info()
@@ -512,7 +539,8 @@ def resident_bytes(process: psutil.Process, children: list[psutil.Process]) -> i
 
 
 class PeakSampler:
-    """The peak resident memory of a process and its children, from ``start()`` to ``stop()``."""
+    """The peak memory a process (``held_bytes``) and its children hold, from ``start()`` to
+    ``stop()``."""
 
     def __init__(self, interval_s: float = 0.01, pid: int | None = None):
         self.interval_s = interval_s
@@ -520,16 +548,26 @@ class PeakSampler:
         self.children: list[psutil.Process] = []
         self.baseline = self.peak = 0
         self.samples = 0
+        self.heap_counted = False  # held_bytes(), not resident bytes: see the module's notes
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> PeakSampler:
-        give_back_freed_memory()
+        self.heap_counted = self.process.pid == os.getpid() and held_bytes() is not None
+        if self.heap_counted:
+            gc.collect()  # what earlier code left to the collector is freed before, not during
+        else:  # resident memory alone: freed memory must go back to the system first
+            give_back_freed_memory()
         self.children = self.process.children(recursive=True)
-        self.baseline = self.peak = resident_bytes(self.process, self.children)
+        self.baseline = self.peak = self.held()
         self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-sampler")
         self._thread.start()
         return self
+
+    def held(self) -> int:
+        """The bytes held (``held_bytes``, else resident), the children's private ones too."""
+        own = held_bytes() if self.heap_counted else None
+        return resident_bytes(self.process, self.children, own)
 
     def _sample(self) -> None:
         while not self._stopped.is_set():
@@ -537,7 +575,7 @@ class PeakSampler:
                 with contextlib.suppress(psutil.Error):
                     self.children = self.process.children(recursive=True)
             with contextlib.suppress(psutil.Error):
-                self.peak = max(self.peak, resident_bytes(self.process, self.children))
+                self.peak = max(self.peak, self.held())
             self.samples += 1
             self._stopped.wait(self.interval_s)
 
@@ -546,7 +584,7 @@ class PeakSampler:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, resident_bytes(self.process, self.children))
+        self.peak = max(self.peak, self.held())
         return {
             "peak_mb": (self.peak - self.baseline) / 1e6,
             "baseline_mb": self.baseline / 1e6,
