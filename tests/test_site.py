@@ -70,6 +70,7 @@ TROUBLESHOOTING_SECTIONS = [
     "The checkpoint directory differs between ranks",
     "speed changes from one minute to the next",
     "Training steps on CPU vary in time, with page faults in every step",
+    "takes tens of milliseconds to return, for a millisecond of work",
 ]
 
 

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from page_tools import stats
@@ -151,14 +151,15 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
 def beside_helpers(
     make_model: Callable,
     train_step: Callable,
-    batch: Any,
+    batch_shape: Sequence[int],
     threads: int,
     directory: str,
     rounds: int,
 ) -> list[dict]:
     """``step_costs`` of a page's step, on rank 0 (the others return at once): a fresh
     ``make_model()`` without FSDP (no collective), trained with Adam by
-    ``train_step(model, optimizer, batch, None)`` on ``threads`` threads."""
+    ``train_step(model, optimizer, batch, None)`` on ``threads`` threads, on a random batch
+    of ``batch_shape``."""
     import torch  # here: a helper process imports this module, and needs no torch
     import torch.distributed as dist
 
@@ -167,7 +168,7 @@ def beside_helpers(
     torch.set_num_threads(threads)
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters())
-    step = functools.partial(train_step, model, optimizer, batch, None)
+    step = functools.partial(train_step, model, optimizer, torch.rand(*batch_shape), None)
     return step_costs(step, directory, rounds)
 
 
