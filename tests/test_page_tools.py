@@ -1511,7 +1511,8 @@ def test_peak_sampler_counts_a_freed_heap_reused_and_shared_memory_and_gives_not
     # A run that reuses the heap an earlier run freed grows by it; starting the sampler
     # leaves that heap resident (a trim would make the timed steps fault it in again).
     env = dict(os.environ, PYTHONPATH=str(RECIPES))
-    run = subprocess.run([sys.executable, "-c", _REUSED_HEAP], env=env, capture_output=True)
+    command = [sys.executable, "-c", _REUSED_HEAP]
+    run = subprocess.run(command, env=env, capture_output=True, timeout=120)
     assert run.returncode == 0, run.stderr.decode()[-2000:]
     measured = json.loads(run.stdout.decode().splitlines()[-1])
     reused, shared = measured["reused"], measured["shared"]
