@@ -349,9 +349,10 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
     for path, steps_between in zip(paths, intervals, strict=True):
         began, staging, upload = time.perf_counter(), None, None
         if saving:
+            turn_s = sys.getswitchinterval()  # Python's default: 0.005
             sys.setswitchinterval(0.0005)  # short GIL turns while the call starts threads
             staging, upload = start_checkpoint(strategy, state_dict, path, group, stager)
-            sys.setswitchinterval(0.005)  # Python's default again, for the steps
+            sys.setswitchinterval(turn_s)  # the steps' turns again
         stall, steps = time.perf_counter() - began, []
         for _ in range(steps_between):
             overlapped = upload is not None and not upload.done()

@@ -518,19 +518,15 @@ def held_bytes() -> int | None:
     """What this process holds: its live heap allocations (glibc's ``mallinfo2``: in use
     and mapped, not what the heap keeps free) and its resident shared memory; None
     without glibc 2.33 or later."""
-    mallinfo2 = _mallinfo2()
-    if mallinfo2 is None:
+    counters = malloc_counters()
+    if counters is None:
         return None
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd + int(_status_mib("RssShmem") * 2**20)
+    return counters["in_use"] + counters["mmapped"] + int(_status_mib("RssShmem") * 2**20)
 
 
-def resident_bytes(
-    process: psutil.Process, children: list[psutil.Process], own: int | None = None
-) -> int:
-    """``process``'s resident memory (or ``own``) plus its ``children``'s private (resident,
-    not shared)."""
-    total = process.memory_info().rss if own is None else own
+def private_bytes(children: list[psutil.Process]) -> int:
+    """The ``children``'s private memory (resident, not shared with their parent)."""
+    total = 0
     for child in children:
         with contextlib.suppress(psutil.Error):
             info = child.memory_info()
@@ -553,7 +549,7 @@ class PeakSampler:
         self._thread: threading.Thread | None = None
 
     def start(self) -> PeakSampler:
-        self.heap_counted = self.process.pid == os.getpid() and held_bytes() is not None
+        self.heap_counted = self.process.pid == os.getpid() and malloc_counters() is not None
         if self.heap_counted:
             gc.collect()  # what earlier code left to the collector is freed before, not during
         else:  # resident memory alone: freed memory must go back to the system first
@@ -566,8 +562,8 @@ class PeakSampler:
 
     def held(self) -> int:
         """The bytes held (``held_bytes``, else resident), the children's private ones too."""
-        own = held_bytes() if self.heap_counted else None
-        return resident_bytes(self.process, self.children, own)
+        own = held_bytes() if self.heap_counted else self.process.memory_info().rss
+        return own + private_bytes(self.children)
 
     def _sample(self) -> None:
         while not self._stopped.is_set():
