@@ -4,16 +4,20 @@ A background save does its work beside training: it copies the state once (stagi
 writes that copy and syncs it (the upload). ``step_costs`` times the page's own training
 step alone, then beside one helper process at a time, in rounds: one that spins (CPU
 time, no memory traffic), one that copies memory, one that writes a file and syncs it.
-Each helper counts the bytes it moved while the step ran. Where spinning costs the step
-nothing and copying costs it time, a background save slows training through the memory
-both share, not through the CPU or the GIL; the cost per GB moved, times what a save
-moves, is the least any background save costs the steps it overlaps (``floor``).
+Each helper counts the bytes it moved while the step ran. A helper works through the
+whole step, so the step's seconds lost per second beside it are ``(beside - alone) /
+beside``. Where spinning costs the step about as much as copying, what slows training is
+a busy neighbor core, whatever it does (on a virtual machine, two virtual cores may share
+one physical core), more than the bytes it moves: a background save then costs the steps
+about what a spinning neighbor costs per second, for as long as it runs beside them
+(``busy_core_cost``, ``against_goal``), and a shorter save costs less.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import multiprocessing
 import os
 import statistics
@@ -175,12 +179,11 @@ def beside_helpers(
 def summarize(records: list[dict]) -> dict:
     """Per helper: the step's time beside it over the same round's step alone (an effect
     where it is above 1 in every round), the GB it moved per second, and the seconds the
-    step lost per GB it moved (median over rounds; None for the helper that moves nothing);
-    with the rounds' own numbers."""
+    step lost per second beside it (medians over rounds); with the rounds' own numbers."""
     found = {}
     for kind, rounds in stats.group(records, "helper").items():
         alone, beside, gb = rounds["alone_s"], rounds["beside_s"], rounds["gb_moved"]
-        lost = [(b - a) / g for a, b, g in zip(alone, beside, gb, strict=True) if g > 0]
+        lost = [(b - a) / b for a, b in zip(alone, beside, strict=True)]
         slowdown = stats.summary([b / a for a, b in zip(alone, beside, strict=True)])
         # Each round's two steps ran seconds apart (a slow minute slows both): the helper
         # slows the step where it did so in every round (the spread does not cross 1).
@@ -189,26 +192,26 @@ def summarize(records: list[dict]) -> dict:
             "what": HELPERS[kind],
             "slowdown": slowdown,
             "gb_per_s": statistics.median(g / b for g, b in zip(gb, beside, strict=True)),
-            "lost_s_per_gb": statistics.median(lost) if lost else None,
+            "lost_per_s_beside": statistics.median(lost),
             "rounds": {"alone_s": alone, "beside_s": beside, "gb_moved": gb},
         }
     return found
 
 
-def floor(found: dict, checkpoint_bytes: int) -> dict:
-    """The least a background save of ``checkpoint_bytes`` costs the steps it overlaps here:
-    one copy of its bytes and one write, at the seconds per GB the steps lost beside the
-    copying and the writing helper (a cost within noise counts as none)."""
-    parts = {}
-    for kind in ("copy", "write"):
-        entry = found[kind]
-        per_gb = 0.0 if entry["slowdown"]["within_noise"] else entry["lost_s_per_gb"]
-        parts[kind] = max(0.0, per_gb) * checkpoint_bytes / 1e9
-    return {"parts_s": parts, "floor_s": sum(parts.values()), "checkpoint_bytes": checkpoint_bytes}
+def busy_core_cost(found: dict) -> dict:
+    """What a busy neighbor core costs the step here, in seconds lost per second beside it:
+    the spinning helper's ``lost_per_s_beside`` (a core kept busy, no memory moved; none
+    below 0), and whether its slow-down is within noise."""
+    spin = found["spin"]
+    return {
+        "lost_per_s_beside": max(0.0, spin["lost_per_s_beside"]),
+        "within_noise": spin["slowdown"]["within_noise"],
+    }
 
 
 def table(found: dict):
-    """Each helper's slow-down of the step, the speed it moved memory at, the cost per GB."""
+    """Each helper's slow-down of the step, the speed it moved memory at, and the seconds
+    the step lost per second beside it."""
     from page_tools import figures
 
     rows = [
@@ -216,24 +219,44 @@ def table(found: dict):
             f"{kind}: {entry['what']}",
             stats.shown_entry(entry["slowdown"], ".3g", "x"),
             round(entry["gb_per_s"], 2),
-            "-" if entry["lost_s_per_gb"] is None else round(entry["lost_s_per_gb"], 3),
+            round(entry["lost_per_s_beside"], 3),
         ]
         for kind, entry in found.items()
     ]
-    columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / GB"]
+    columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / s"]
     return figures.Table(columns, rows, "medians over rounds [lowest .. highest]")
 
 
-def against_goal(found_floor: dict, goal_s: float, strategy: str, overhead_s: float) -> dict:
-    """The floor beside the overhead goal (in seconds) and ``strategy``'s measured overhead:
-    whether the goal lies below what this machine makes a background save cost."""
-    floor_s, parts = found_floor["floor_s"], found_floor["parts_s"]
-    below = goal_s < floor_s
+def against_goal(cost: dict, goal_s: float, summary: dict, strategy: str) -> dict:
+    """What ``busy_core_cost`` predicts for ``strategy``'s checkpoint (from its entry in the
+    stall page's ``summary``: medians of its stall, its time until durable and its overhead),
+    against the overhead goal in seconds: the loop waits for the stall, and the steps lose
+    ``cost`` per second of the rest, while the save keeps the other core busy; and how soon
+    after its start a save must be on disk to meet the goal (None: its stall alone is above
+    it), beside dcp.save's time until durable."""
+    per_s, measured = cost["lost_per_s_beside"], summary[strategy]
+    blocking_s = summary["dcp.save"]["time_until_durable_s"]["median"]
+    stall_s = measured["stall_per_checkpoint_s"]["median"]
+    background_s = max(0.0, measured["time_until_durable_s"]["median"] - stall_s)
+    expected_s = stall_s + per_s * background_s
+    if stall_s >= goal_s:
+        durable_within_s, needs = None, "is below its stall alone"
+    elif not per_s:
+        durable_within_s, needs = math.inf, "is above that, however long the save runs"
+    else:
+        durable_within_s = stall_s + (goal_s - stall_s) / per_s
+        needs = f"needs it on disk {durable_within_s:.3g} s after it starts"
+        needs += f" (dcp.save's own: {blocking_s:.3g} s)"
+    overhead_s = measured["overhead_s"]["median"]
+    noise = " (within noise)" if cost["within_noise"] else ""
     said = (
-        f"A background save costs the steps it overlaps here at least {floor_s:.3g} s per "
-        f"checkpoint (a copy {parts['copy']:.3g} s, a write {parts['write']:.3g} s): the "
-        f"overhead goal, {goal_s:.3g} s, lies {'below' if below else 'above'} that; "
-        f"{strategy}'s overhead: {overhead_s:.3g} s."
+        f"A busy neighbor core costs a step here {per_s:.3g} s per second beside it{noise}. "
+        f"{strategy} stalls {stall_s:.3g} s, then runs {background_s:.3g} s in the "
+        f"background: about {expected_s:.3g} s per checkpoint (measured: {overhead_s:.3g} s). "
+        f"The overhead goal, {goal_s:.3g} s, {needs}."
     )
-    return {"floor_s": floor_s, "goal_s": goal_s, "goal_below_floor": below,
-            "strategy": strategy, "overhead_s": overhead_s, "said": said}  # fmt: skip
+    return {"lost_per_s_beside": per_s, "stall_s": stall_s, "background_s": background_s,
+            "expected_s": expected_s, "goal_s": goal_s, "durable_within_s": durable_within_s,
+            "goal_below_expected": goal_s < expected_s, "strategy": strategy,
+            "dcp_save_durable_s": blocking_s,
+            "overhead_s": overhead_s, "said": said}  # fmt: skip

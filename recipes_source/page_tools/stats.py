@@ -185,18 +185,14 @@ def wait(values: Sequence[float]) -> dict:
     return entry
 
 
-def below_goal(values: Sequence[float], limits: Sequence[float], factor: bool = False) -> dict:
-    """Whether measurements meet a goal "at most ``limits``" (one limit per round, or one for
-    all), round by round: ``met`` is True where every round is below its limit, False where
-    every round is above it, None where the rounds fall on both sides (the spread of the
-    differences crosses zero: within noise). A round's limit comes from that round's own
-    reference run, so rounds pair; the ratio scale (``factor``) has the same signs. Returns
-    ``difference``'s numbers too, and how many rounds were below (``rounds_below``)."""
-    if len(limits) not in (1, len(values)):
-        raise ValueError(f"{len(values)} rounds, {len(limits)} limits: one per round, or one")
-    paired = limits if len(limits) == len(values) else [limits[0]] * len(values)
-    diff = difference(values, paired, factor)
-    below = [value < limit for value, limit in zip(values, paired, strict=True)]
+def below_goal(values: Sequence[float], limit: float, factor: bool = False) -> dict:
+    """Whether measurements meet a goal "at most ``limit``", round by round: ``met`` is True
+    where every round is below it, False where every round is above it, None where the
+    rounds fall on both sides (the spread of the differences crosses zero: within noise).
+    Returns ``difference``'s numbers too (on the ratio scale with ``factor``: the same
+    signs), and how many rounds were below (``rounds_below``)."""
+    diff = difference(values, [limit] * len(values), factor)
+    below = [value < limit for value in values]
     met = True if all(below) else False if not any(below) else None
     return {**diff, "met": met, "within_noise": met is None, "rounds_below": sum(below)}
 
