@@ -499,8 +499,9 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # %%
 # Costs to training, against the run's own steps that overlapped no save (runs a minute
 # apart drift more): the median step that overlapped one over theirs; the stall plus
-# what those steps took beyond theirs (total overhead; noise: a round that paid none);
-# peak host memory over the run without one's (noise: below the spread or zero).
+# what those steps took beyond theirs (total overhead; noise: a round that paid none),
+# and per second the save ran after its stall; peak host memory over the run without
+# one's (noise: below the spread or zero).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -530,17 +531,16 @@ stalls.goals_table(GOALS)
 # Why steps slow down beside a save
 # ---------------------------------
 # Rank 0's step alone, then beside a helper on another core that spins, copies
-# memory, or writes and syncs a file. What a busy core costs per second beside the
-# step, times the time a save runs in the background, next to what the save cost.
+# memory, or writes and syncs a file: what a second of each costs the step, beside
+# what the steps lost per second a save ran in the background (``stalls.COSTS``).
 
 HELPERS_ON_RANK_0 = run_on_ranks(  # the model without FSDP: no collective
     neighbors.beside_helpers, ToyModel, train_step, (BATCH, WIDTH), THREADS, WORK_DIR, ROUNDS
 )
 HELPED = neighbors.summarize(HELPERS_ON_RANK_0[0])
-COST = neighbors.busy_core_cost(HELPED)
 GOAL_S = GOALS[BEST]["overhead_s"]["goal"] * SUMMARY["dcp.save"]["overhead_s"]["median"]
-WHY = neighbors.against_goal(COST, GOAL_S, SUMMARY, BEST)
-results.record("background_work", {"helpers": HELPED, "cost": COST, "against_goal": WHY})
+WHY = stalls.against_goal(SUMMARY, BEST, GOAL_S)
+results.record("background_work", {"helpers": HELPED, "against_goal": WHY})
 print(figures.wrap(WHY["said"]))
 neighbors.table(HELPED)
 

@@ -58,6 +58,7 @@ NEUTRAL = {
     "overhead_s": 0.0,
     "extra_memory_mb": 0.0,
     "time_until_durable_s": None,
+    "lost_per_background_s": None,
     "wall_s": None,
 }
 MULTIPLES = [0.5, 1, 2, 4]  # checkpoint intervals, in multiples of dcp.save's first checkpoint
@@ -130,7 +131,7 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     quiet = [t for s in segments for t, over in s["steps"] if not over]
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
-    return {
+    found = {
         "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
         "overlapped_step_slowdown": (
             statistics.median(overlapped) / statistics.median(quiet or base_step_list)
@@ -148,8 +149,14 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
             if saving
             else None
         ),
+        "lost_per_background_s": None,  # a save that blocks until durable has no background
         "wall_s": wall,
     }
+    if saving and found["time_until_durable_s"] > found["stall_per_checkpoint_s"]:
+        beyond = found["overhead_s"] - found["stall_per_checkpoint_s"]
+        background = found["time_until_durable_s"] - found["stall_per_checkpoint_s"]
+        found["lost_per_background_s"] = beyond / background
+    return found
 
 
 def recompute(runs: dict, multiple: float = HEADLINE) -> dict:
@@ -390,8 +397,8 @@ def check_results(results: dict, ranks: int) -> dict:
 
     # Why steps slow down: each helper's rounds give its slow-down (an effect where it is
     # above 1 in every round), its speed and the seconds the step lost per second beside
-    # it; the spinning helper's is what a busy core costs, and the headline strategy's
-    # expected overhead is its stall plus that cost for the rest of its time until durable.
+    # it; the headline strategy, at its medians' loss per second in the background, meets
+    # the overhead goal if on disk within the time the page gives.
     work = values["background_work"]
     assert list(work["helpers"]) == ["spin", "copy", "write"]
     for kind, found in work["helpers"].items():
@@ -405,24 +412,16 @@ def check_results(results: dict, ranks: int) -> dict:
         assert (gb == [0] * len(gb)) == (kind == "spin"), (kind, gb)
         per_s = statistics.median((b - a) / b for a, b in zip(alone, beside, strict=True))
         assert found["lost_per_s_beside"] == pytest.approx(per_s)
-    spin = work["helpers"]["spin"]
-    cost = max(0.0, spin["lost_per_s_beside"])
-    assert work["cost"] == {
-        "lost_per_s_beside": pytest.approx(cost),
-        "within_noise": spin["slowdown"]["within_noise"],
-    }
     against, goal_s = work["against_goal"], GOALS["overhead_s"] * med("dcp.save", "overhead_s")
     assert against["strategy"] == best and against["goal_s"] == pytest.approx(goal_s)
-    assert against["overhead_s"] == pytest.approx(med(best, "overhead_s"))
     assert against["dcp_save_durable_s"] == pytest.approx(med("dcp.save", "time_until_durable_s"))
-    stall_s = med(best, "stall_per_checkpoint_s")
-    background_s = max(0.0, med(best, "time_until_durable_s") - stall_s)
-    expected_s = stall_s + cost * background_s
-    assert against["expected_s"] == pytest.approx(expected_s)
-    assert against["goal_below_expected"] == (goal_s < expected_s)
-    if cost and stall_s < goal_s:  # on disk this soon after its start: the goal, expected
-        within_s = against["durable_within_s"]
-        assert stall_s + cost * (within_s - stall_s) == pytest.approx(goal_s)
+    stall_s, lost = med(best, "stall_per_checkpoint_s"), recomputed[best]["lost_per_background_s"]
+    rate = max(0.0, statistics.median(lost))
+    assert against["lost_per_background_s"] == pytest.approx(rate)
+    if rate and stall_s < goal_s:  # on disk this soon after its start: the goal, at that rate
+        assert stall_s + rate * (against["durable_within_s"] - stall_s) == pytest.approx(goal_s)
+    else:
+        assert against["durable_within_s"] in (None, math.inf)
 
     # The advice: a lead smaller than the larger spread is no advice.
     for metric in CRITERIA:

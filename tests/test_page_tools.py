@@ -1697,7 +1697,12 @@ def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
     assert found["overhead_s"] == pytest.approx(max(0.2 + (0.2 - 0.1), 0.3 + (0.4 - 0.1)))
     assert found["extra_memory_mb"] == pytest.approx(50)
     assert found["time_until_durable_s"] == pytest.approx(0.5)
+    # the slowest rank's overhead beyond the slowest stall, per second from there to durable
+    assert found["lost_per_background_s"] == pytest.approx((0.6 - 0.3) / (0.5 - 0.3))
     assert stalls.metrics(baseline, baseline, 2)["stall_per_checkpoint_s"] is None
+    assert stalls.metrics(baseline, baseline, 2)["lost_per_background_s"] is None
+    blocking = [_run(0.5, 0.6, [[0.1, False]], 100, checkpoints=2, saves_s=0.4)] * 2
+    assert stalls.metrics(blocking, baseline, 1)["lost_per_background_s"] is None, "blocks"
     assert stalls.metrics(baseline, baseline, 2)["overhead_s"] == 0.0
     with pytest.raises(ValueError):
         stalls.metrics(run, baseline, 4)  # no interval of 4x a save's time ran
@@ -3330,7 +3335,7 @@ def test_a_neighbor_that_cannot_start_is_named_at_once(tmp_path):
     assert time.monotonic() - began < neighbors.WAIT_S / 2
 
 
-def test_a_busy_core_costs_the_step_what_a_spinning_neighbor_costs_per_second():
+def test_each_helpers_cost_is_the_steps_seconds_lost_per_second_beside_it():
     from page_tools import neighbors
 
     def rounds(kind, ratios, gb):
@@ -3346,32 +3351,28 @@ def test_a_busy_core_costs_the_step_what_a_spinning_neighbor_costs_per_second():
     assert not found["write"]["slowdown"]["within_noise"]
     assert found["copy"]["lost_per_s_beside"] == pytest.approx(0.2 / 1.2)  # the median round
     assert found["write"]["lost_per_s_beside"] == pytest.approx(0.4 / 1.4)
+    assert found["spin"]["lost_per_s_beside"] == pytest.approx(0.05 / 1.05)
     assert found["copy"]["gb_per_s"] == pytest.approx(2.0 / 1.2)
-    cost = neighbors.busy_core_cost(found)  # spinning, with its noise
-    assert cost == {"lost_per_s_beside": pytest.approx(0.05 / 1.05), "within_noise": True}
-    slow = neighbors.busy_core_cost(neighbors.summarize(rounds("spin", [1.2, 1.25, 1.3], 0.0)))
-    assert slow == {"lost_per_s_beside": pytest.approx(0.25 / 1.25), "within_noise": False}
-    summary = {
-        "torch_checkpointing": {
-            "stall_per_checkpoint_s": {"median": 0.01},
-            "time_until_durable_s": {"median": 3.01},
-            "overhead_s": {"median": 0.6},
-        },
-        "dcp.save": {"time_until_durable_s": {"median": 2.0}},
-    }
-    below = neighbors.against_goal(slow, 0.1, summary, "torch_checkpointing")
-    above = neighbors.against_goal(slow, 0.7, summary, "torch_checkpointing")
-    assert below["expected_s"] == pytest.approx(0.01 + 3.0 * 0.2)  # 0.61 s
-    assert below["goal_below_expected"] and not above["goal_below_expected"]
-    assert below["durable_within_s"] == pytest.approx(0.01 + 0.09 / 0.2)  # 0.46 s
-    assert (below["goal_s"], below["overhead_s"], below["background_s"]) == (0.1, 0.6, 3.0)
-    assert below["dcp_save_durable_s"] == 2.0
-    free = neighbors.against_goal({"lost_per_s_beside": 0.0, "within_noise": True}, 0.1, summary,
-                                  "torch_checkpointing")  # fmt: skip
-    assert free["expected_s"] == 0.01 and free["durable_within_s"] == math.inf
-    stalled = neighbors.against_goal(slow, 0.005, summary, "torch_checkpointing")
-    assert stalled["durable_within_s"] is None and stalled["goal_below_expected"]
     assert str(neighbors.table(found)).count("\n") == 4  # caption, heading, three helpers
+
+
+def test_the_overhead_goal_says_how_soon_a_save_must_be_on_disk_at_its_loss_per_second():
+    def entry(stall, durable, lost):
+        return {
+            "stall_per_checkpoint_s": stats.wait([stall]),
+            "time_until_durable_s": stats.summary([durable]),
+            "lost_per_background_s": None if lost is None else stats.summary([lost]),
+        }
+
+    summary = {"dcp.save": entry(2.0, 2.0, None), "tc": entry(0.01, 3.01, 0.2)}
+    found = stalls.against_goal(summary, "tc", 0.1)
+    assert found["durable_within_s"] == pytest.approx(0.01 + 0.09 / 0.2)  # 0.46 s
+    assert (found["stall_s"], found["durable_s"], found["lost_per_background_s"]) == (
+        0.01, 3.01, 0.2)  # fmt: skip
+    assert found["dcp_save_durable_s"] == 2.0
+    summary["free"] = entry(0.01, 3.01, -0.05)  # faster steps beside a save: noise, no gain
+    assert stalls.against_goal(summary, "free", 0.1)["durable_within_s"] == math.inf
+    assert stalls.against_goal(summary, "tc", 0.005)["durable_within_s"] is None, "stall above"
 
 
 # --------------------------------------------------------------------------

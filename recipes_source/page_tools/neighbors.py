@@ -6,18 +6,14 @@ step alone, then beside one helper process at a time, in rounds: one that spins 
 time, no memory traffic), one that copies memory, one that writes a file and syncs it.
 Each helper counts the bytes it moved while the step ran. A helper works through the
 whole step, so the step's seconds lost per second beside it are ``(beside - alone) /
-beside``. Where spinning costs the step about as much as copying, what slows training is
-a busy neighbor core, whatever it does (on a virtual machine, two virtual cores may share
-one physical core), more than the bytes it moves: a background save then costs the steps
-about what a spinning neighbor costs per second, for as long as it runs beside them
-(``busy_core_cost``, ``against_goal``), and a shorter save costs less.
+beside``: what a second of each kind of work on another core costs training, beside what
+the page's strategies lost per second their saves ran in the background.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import multiprocessing
 import os
 import statistics
@@ -198,17 +194,6 @@ def summarize(records: list[dict]) -> dict:
     return found
 
 
-def busy_core_cost(found: dict) -> dict:
-    """What a busy neighbor core costs the step here, in seconds lost per second beside it:
-    the spinning helper's ``lost_per_s_beside`` (a core kept busy, no memory moved; none
-    below 0), and whether its slow-down is within noise."""
-    spin = found["spin"]
-    return {
-        "lost_per_s_beside": max(0.0, spin["lost_per_s_beside"]),
-        "within_noise": spin["slowdown"]["within_noise"],
-    }
-
-
 def table(found: dict):
     """Each helper's slow-down of the step, the speed it moved memory at, and the seconds
     the step lost per second beside it."""
@@ -225,38 +210,3 @@ def table(found: dict):
     ]
     columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / s"]
     return figures.Table(columns, rows, "medians over rounds [lowest .. highest]")
-
-
-def against_goal(cost: dict, goal_s: float, summary: dict, strategy: str) -> dict:
-    """What ``busy_core_cost`` predicts for ``strategy``'s checkpoint (from its entry in the
-    stall page's ``summary``: medians of its stall, its time until durable and its overhead),
-    against the overhead goal in seconds: the loop waits for the stall, and the steps lose
-    ``cost`` per second of the rest, while the save keeps the other core busy; and how soon
-    after its start a save must be on disk to meet the goal (None: its stall alone is above
-    it), beside dcp.save's time until durable."""
-    per_s, measured = cost["lost_per_s_beside"], summary[strategy]
-    blocking_s = summary["dcp.save"]["time_until_durable_s"]["median"]
-    stall_s = measured["stall_per_checkpoint_s"]["median"]
-    background_s = max(0.0, measured["time_until_durable_s"]["median"] - stall_s)
-    expected_s = stall_s + per_s * background_s
-    if stall_s >= goal_s:
-        durable_within_s, needs = None, "is below its stall alone"
-    elif not per_s:
-        durable_within_s, needs = math.inf, "is above that, however long the save runs"
-    else:
-        durable_within_s = stall_s + (goal_s - stall_s) / per_s
-        needs = f"needs it on disk {durable_within_s:.3g} s after it starts"
-        needs += f" (dcp.save's own: {blocking_s:.3g} s)"
-    overhead_s = measured["overhead_s"]["median"]
-    noise = " (within noise)" if cost["within_noise"] else ""
-    said = (
-        f"A busy neighbor core costs a step here {per_s:.3g} s per second beside it{noise}. "
-        f"{strategy} stalls {stall_s:.3g} s, then runs {background_s:.3g} s in the "
-        f"background: about {expected_s:.3g} s per checkpoint (measured: {overhead_s:.3g} s). "
-        f"The overhead goal, {goal_s:.3g} s, {needs}."
-    )
-    return {"lost_per_s_beside": per_s, "stall_s": stall_s, "background_s": background_s,
-            "expected_s": expected_s, "goal_s": goal_s, "durable_within_s": durable_within_s,
-            "goal_below_expected": goal_s < expected_s, "strategy": strategy,
-            "dcp_save_durable_s": blocking_s,
-            "overhead_s": overhead_s, "said": said}  # fmt: skip

@@ -33,6 +33,7 @@ strategies, compare on the ratio scale (``WAITS``).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ METRICS = {
     "overhead_s": ("total overhead: stall and slower steps", "+.3g", " s", 0.0),
     "extra_memory_mb": ("extra peak host memory per rank", "+.0f", " MB", 0.0),
     "time_until_durable_s": ("time from save call until durable", ".3g", " s", None),
+    "lost_per_background_s": ("s lost per s in the background", ".3g", "", None),
     "wall_s": ("wall time of the interval", ".3g", " s", None),
 }
 
@@ -61,7 +63,8 @@ ROUNDS_MUST_PAY = (*WAITS, "overhead_s")
 # a goal's ``met``, in words: met, missed, or undecided where the difference is noise
 GOAL_VERDICTS = {True: "met", False: "not met", None: "undecided (within noise)"}
 # per interval at the headline multiple (the peak memory: over the whole run)
-COSTS = ["overlapped_step_slowdown", "overhead_s", "extra_memory_mb", "wall_s"]
+COSTS = ["overlapped_step_slowdown", "overhead_s", "lost_per_background_s", "extra_memory_mb"]
+COSTS += ["wall_s"]
 
 
 def label(strategy: str, threads: int, default_threads: int) -> str:
@@ -333,22 +336,26 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
     reference_step = statistics.median(quiet) if quiet else base_step  # see ``overhead``
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
+    stall = max(s["stall_s"] for s in segments) if saving else None
+    total = max(overhead(s, b) for s, b in zip(segments, base, strict=True)) if saving else 0.0
+    durable = (
+        max(r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run)
+        if saving
+        else None
+    )
+    background = durable - stall if saving else 0.0  # after the stall, until durable
     return {
-        "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
+        "stall_per_checkpoint_s": stall,
         "overlapped_step_slowdown": statistics.median(overlapped) / reference_step
         if overlapped
         else None,
-        "overhead_s": max(overhead(s, b) for s, b in zip(segments, base, strict=True))
-        if saving
-        else 0.0,  # the reference costs nothing (its loop timed microseconds as a "stall")
+        "overhead_s": total,  # without checkpoints 0 (its loop timed microseconds)
         "extra_memory_mb": None  # what it kept from earlier runs is not in its peak
         if run[0].get("memory_kept")
         else max(r["peak_memory_mb"] for r in run) - max(r["peak_memory_mb"] for r in baseline),
-        "time_until_durable_s": max(
-            r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run
-        )
-        if saving
-        else None,
+        "time_until_durable_s": durable,
+        # what the steps lost per second the save ran beside them (none for a blocking save)
+        "lost_per_background_s": (total - stall) / background if background > 0 else None,
         "wall_s": wall,
         "interval_s": base_wall,  # what the interval's steps take without checkpoints
     }
@@ -479,6 +486,35 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
             "said": said,
         }
     return found
+
+
+def against_goal(summary: dict, strategy: str, goal_s: float) -> dict:
+    """``strategy``'s overhead, as its stall plus what its steps lost per second it ran in
+    the background (medians): how soon after its start a save losing as much per second must
+    be on disk to meet the overhead goal of ``goal_s`` seconds (None: its stall alone is
+    above it; inf: its steps lost nothing), beside dcp.save's time until durable."""
+    entry = summary[strategy]
+    stall_s, rate = _median(summary, strategy, "stall_per_checkpoint_s"), 0.0
+    if entry["lost_per_background_s"] is not None:
+        rate = max(0.0, entry["lost_per_background_s"]["median"])
+    durable_s = _median(summary, strategy, "time_until_durable_s")
+    blocking_s = _median(summary, "dcp.save", "time_until_durable_s")
+    if stall_s >= goal_s:
+        within_s, needs = None, "is below its stall alone"
+    elif not rate:
+        within_s, needs = math.inf, "is above that, however long the save runs"
+    else:
+        within_s = stall_s + (goal_s - stall_s) / rate
+        needs = f"needs it on disk {within_s:.3g} s after it starts (dcp.save's own: "
+        needs += f"{blocking_s:.3g} s)"
+    said = (
+        f"{strategy} stalls the loop {stall_s:.3g} s, is on disk {durable_s:.3g} s after it "
+        f"starts, and its steps lose {rate:.3g} s per second in between. The overhead goal, "
+        f"{goal_s:.3g} s, {needs}."
+    )
+    return {"strategy": strategy, "stall_s": stall_s, "durable_s": durable_s,
+            "lost_per_background_s": rate, "goal_s": goal_s, "durable_within_s": within_s,
+            "dcp_save_durable_s": blocking_s, "said": said}  # fmt: skip
 
 
 def goals_of(summary: dict, names: Sequence[str], **goals_vs_dcp_save: float) -> dict:
