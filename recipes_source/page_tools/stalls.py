@@ -22,7 +22,11 @@ interval, against the run without checkpoints of the same round and thread budge
   overlapped one). A run is its own reference: between runs a minute apart the same step
   drifts by more (1.5x on an H200, 2x on 2 CPU cores) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
-* *time until durable*, from the save call.
+* *time until durable*, from the save call;
+* *seconds lost per second in the background*: the total overhead beyond the stall, over
+  the time from the stall until durable, while the save ran beside the steps (none for a
+  save that blocks until durable). ``against_goal`` turns it into how soon a save must be
+  on disk to meet an overhead goal.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
 whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself,
