@@ -500,8 +500,8 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # Costs to training, against the run's own steps that overlapped no save (runs a minute
 # apart drift more): the median step that overlapped one over theirs; the stall plus
 # what those steps took beyond theirs (total overhead; noise: a round that paid none),
-# and per second the save ran after its stall; peak host memory over the run without
-# one's (noise: below the spread or zero).
+# and what they lost per second from the stall's end until durable; peak host memory
+# over the run without one's (noise: below the spread or zero).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -517,7 +517,7 @@ stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 # %%
 # The goals at ``make bench`` size (1 GB), per background strategy: a stall of at most
 # 0.02x ``dcp.save``'s median, a total overhead of at most 0.05x, round by round: met
-# where every round is below, missed where all are above. Headline: least stall.
+# where every round is below, not met where all are above. Headline: least stall.
 
 GOALS = stalls.goals_of(SUMMARY, STRATEGIES[3:], stall_per_checkpoint_s=0.02, overhead_s=0.05)
 results.record("goals", GOALS)  # for the strategies that stage in the background
