@@ -463,7 +463,7 @@ def ratios(summary: dict, strategies: Sequence[str], copy_seconds: float) -> dic
 def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict:
     """Whether ``name`` meets each goal "at most g times dcp.save's": its values, round by
     round, against g times dcp.save's median over the rounds (``stats.below_goal``: met
-    where every round is below, missed where every round is above), with the rounds that
+    where every round is below, not met where every round is above), with the rounds that
     say so. dcp.save's round-to-round spread is the disk's, which the background strategies
     do not share (a stall is a wait for the GIL or a copy): pairing each round with that
     round's dcp.save would add its noise to theirs. Where dcp.save's own effect is within
@@ -507,7 +507,7 @@ def against_goal(summary: dict, strategy: str, goal_s: float) -> dict:
     if stall_s >= goal_s:
         within_s, needs = None, "is below its stall alone"
     elif not rate:
-        within_s, needs = math.inf, "is above that, however long the save runs"
+        within_s, needs = math.inf, "holds however long the save runs"
     else:
         within_s = stall_s + (goal_s - stall_s) / rate
         needs = f"allows it {within_s:.3g} s to reach disk: it took {durable_s:.3g} s"
