@@ -351,8 +351,10 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
         if saving:
             turn_s = sys.getswitchinterval()  # Python's default: 0.005
             sys.setswitchinterval(0.0005)  # short GIL turns while the call starts threads
-            staging, upload = start_checkpoint(strategy, state_dict, path, group, stager)
-            sys.setswitchinterval(turn_s)  # the steps' turns again
+            try:
+                staging, upload = start_checkpoint(strategy, state_dict, path, group, stager)
+            finally:
+                sys.setswitchinterval(turn_s)  # the steps' turns again, even after an error
         stall, steps = time.perf_counter() - began, []
         for _ in range(steps_between):
             overlapped = upload is not None and not upload.done()
@@ -497,11 +499,10 @@ SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULT
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
 # %%
-# Costs to training, against the run's own steps that overlapped no save (runs a minute
-# apart drift more): the median step that overlapped one over theirs; the stall plus
-# what those steps took beyond theirs (total overhead; noise: a round that paid none),
-# and what they lost per second from the stall's end until durable; peak host memory
-# over the run without one's (noise: below the spread or zero).
+# Costs to training, against the run's own steps that overlapped no save: the median
+# step that overlapped one over theirs; the stall plus what those steps took beyond
+# theirs (total overhead; noise: a round that paid none), and per second from the stall
+# to durable; peak host memory over the run without one's (noise: below spread or zero).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
