@@ -400,7 +400,7 @@ def check_results(results: dict, ranks: int) -> dict:
     # it; the headline strategy, at its medians' loss per second in the background, meets
     # the overhead goal if on disk within the time the page gives.
     work = values["background_work"]
-    assert list(work["helpers"]) == ["spin", "copy", "write"]
+    assert list(work["helpers"]) == ["spin", "copy", "write", "tensor copy", "storage copy"]
     for kind, found in work["helpers"].items():
         alone, beside, gb = (found["rounds"][k] for k in ("alone_s", "beside_s", "gb_moved"))
         assert len(alone) == len(beside) == len(gb) == config["rounds"]

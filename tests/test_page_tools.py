@@ -3308,12 +3308,61 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
     ]
     moved = {kind: rounds["gb_moved"] for kind, rounds in stats.group(records, "helper").items()}
     assert moved["spin"] == [0.0, 0.0]
-    assert all(gb > 0 for gb in moved["copy"] + moved["write"]), moved
+    assert all(gb > 0 for kind in neighbors.HELPERS if kind != "spin" for gb in moved[kind]), moved
     assert all(r["alone_s"] > 0 and r["beside_s"] > 0 for r in records)
     assert list(tmp_path.iterdir()) == [], "the writer's file is removed"
     found = neighbors.summarize(records)
     assert found["spin"]["gb_per_s"] == 0 and "lost_per_s_beside" in found["spin"]
     assert found["copy"]["rounds"]["gb_moved"] == moved["copy"]
+
+
+def _probe_ticks_during(work) -> int:
+    """How often a Python thread woke up while ``work()`` ran: never, if ``work`` held the GIL."""
+    ticks, running, stop = [0], threading.Event(), threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            time.sleep(0.0002)
+            ticks[0] += running.is_set()
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        running.set()
+        work()
+        running.clear()
+    finally:
+        stop.set()
+        thread.join()
+    return ticks[0]
+
+
+def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
+    from page_tools import neighbors
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    copies = {kind: neighbors._mover(kind, "")[0] for kind in neighbors.IN_PROCESS}
+    for move in copies.values():
+        move(0)  # first touch of the target's pages
+    pieces = range(0, neighbors.BUFFER, neighbors.STORAGE)
+    ticks = {
+        kind: _probe_ticks_during(lambda move=move: [move(o) for o in pieces for _ in range(4)])
+        for kind, move in copies.items()
+    }
+    # A thread beside the storage copy runs between pieces only (16 of them), never during one.
+    assert ticks["storage copy"] <= 2 * len(pieces) * 4 < ticks["tensor copy"], ticks
+    # DefaultStager copies a tensor into the buffer it kept from its first stage with the
+    # storage's copy: one 256 MB tensor, a Python thread beside it runs before and after
+    # the copy (the stager's own Python), not during it, as beside the tensor's own copy.
+    state = {"weight": torch.rand(64 << 20)}
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    stager.stage(state)
+    staged = _probe_ticks_during(lambda: stager.stage(state))
+    tensor_copy = torch.empty_like(state["weight"])
+    copied = _probe_ticks_during(lambda: tensor_copy.copy_(state["weight"]))
+    assert staged <= 5 and copied > 20, (staged, copied)
+    stager.close()
 
 
 def test_a_short_step_is_timed_over_a_window_so_a_helper_can_move_a_chunk_beside_it():

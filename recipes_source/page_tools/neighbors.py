@@ -1,13 +1,17 @@
-"""What a neighbor, a process working on another core, costs a training step on this machine.
+"""What a neighbor, work on another core, costs a training step on this machine.
 
 A background save does its work beside training: it copies the state once (staging), then
 writes that copy and syncs it (the upload). ``step_costs`` times the page's own training
-step alone, then beside one helper process at a time, in rounds: one that spins (CPU
-time, no memory traffic), one that copies memory, one that writes a file and syncs it.
-Each helper counts the bytes it moved while the step ran. A helper works through the
-whole step, so the step's seconds lost per second beside it are ``(beside - alone) /
-beside``: what a second of each kind of work on another core costs training, beside what
-the page's strategies lost per second their saves ran in the background.
+step alone, then beside one helper at a time, in rounds. Three helpers are processes of
+their own: one that spins (CPU time, no memory traffic), one that copies memory, one that
+writes a file and syncs it. Two are threads of the step's own process, which copy memory
+as a stager does: with ``Tensor.copy_``, which lets other threads run Python meanwhile,
+and with ``UntypedStorage.copy_`` (``DefaultStager``'s copy into its reused buffer), which
+holds the GIL for each whole storage: the step waits for it between its operations. Each
+helper counts the bytes it moved while the step ran. A helper works through the whole
+step, so the step's seconds lost per second beside it are ``(beside - alone) / beside``:
+what a second of each kind of work costs training, beside what the page's strategies lost
+per second their saves ran in the background.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import functools
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +32,11 @@ HELPERS = {
     "spin": "spins (CPU, no memory traffic)",
     "copy": "copies memory, as staging does",
     "write": "writes and syncs a file, as an upload",
+    "tensor copy": "copies in this process, letting it run (Tensor.copy_)",
+    "storage copy": "copies in this process, holding its GIL (DefaultStager)",
 }
+IN_PROCESS = ("tensor copy", "storage copy")  # threads beside the step: they share its GIL
+STORAGE = 16 << 20  # an in-process helper's piece: one 2048 x 2048 float32 weight's storage
 BUFFER = 64 << 20  # a helper's source (and copy target): far beyond the caches
 CHUNK = 4 << 20  # what it moves between two looks at its switch (and counts)
 FILE_BYTES = 256 << 20  # the writer's file: rewritten in place, synced once per pass
@@ -35,11 +44,43 @@ WAIT_S = 120  # a helper that does not answer in this time has failed
 WINDOW_S = 0.25  # the least a timing lasts: a short step repeats (a helper moves a chunk)
 
 
+def _mover(kind: str, path: str) -> tuple[Callable[[int], int], int | None]:
+    """``kind``'s work, one piece at a time (``move(offset)`` returns the bytes it moved),
+    and the file descriptor it writes to, if any."""
+    if kind in IN_PROCESS:
+        import torch  # here: the helper processes import this module, and need no torch
+
+        sources = [torch.rand(STORAGE // 4) for _ in range(BUFFER // STORAGE)]
+        targets = [torch.empty_like(source) for source in sources]
+
+        def copy(offset: int) -> int:
+            source, target = sources[offset // STORAGE], targets[offset // STORAGE]
+            if kind == "storage copy":
+                target.untyped_storage().copy_(source.untyped_storage())
+            else:
+                target.copy_(source)
+            return STORAGE
+
+        return copy, None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if kind == "write" else None
+    source = memoryview(bytearray(os.urandom(1 << 20)) * (BUFFER >> 20))
+    target = memoryview(bytearray(BUFFER))
+
+    def move(offset: int) -> int:
+        piece = slice(offset % BUFFER, offset % BUFFER + CHUNK)
+        if kind == "copy":
+            target[piece] = source[piece]
+        else:
+            os.pwrite(fd, source[piece], offset)
+        return CHUNK
+
+    return move, fd
+
+
 def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None:
     """Do ``kind``'s work while ``switch`` is set; sync and rest while it is not."""
-    source, target = bytearray(os.urandom(1 << 20)) * (BUFFER >> 20), bytearray(BUFFER)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600) if kind == "write" else None
-    source, target, offset, spins = memoryview(source), memoryview(target), 0, 0
+    move, fd = (None, None) if kind == "spin" else _mover(kind, path)
+    offset, spins, wraps_at = 0, 0, BUFFER if kind in IN_PROCESS else FILE_BYTES
     resting.set()
     while not stop.is_set():
         if not switch.wait(0.005):
@@ -47,19 +88,15 @@ def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None
         resting.clear()
         working.set()
         while switch.is_set():
-            if kind == "spin":
+            if move is None:
                 spins += sum(range(20_000)) & 1  # no memory traffic beyond the core's own
                 continue
-            piece = slice(offset % BUFFER, offset % BUFFER + CHUNK)
-            if kind == "copy":
-                target[piece] = source[piece]
-            else:
-                os.pwrite(fd, source[piece], offset)
-            offset = (offset + CHUNK) % FILE_BYTES
+            piece = move(offset)
+            offset = (offset + piece) % wraps_at
             if fd is not None and offset == 0:
                 os.fsync(fd)  # the disk's part of an upload, beside the step too
             with moved.get_lock():
-                moved.value += CHUNK
+                moved.value += piece
         if fd is not None:
             os.fsync(fd)  # the upload is durable before the step alone runs
         working.clear()
@@ -71,7 +108,7 @@ def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None
 @dataclasses.dataclass
 class _Neighbor:
     kind: str
-    process: multiprocessing.process.BaseProcess
+    process: multiprocessing.process.BaseProcess | threading.Thread
     switch: Any
     working: Any
     resting: Any
@@ -84,8 +121,11 @@ class _Neighbor:
         deadline = time.monotonic() + WAIT_S
         helper = f"neighbors: the helper that {HELPERS[self.kind]}"
         while not event.wait(0.05):
-            if not self.process.is_alive():
-                raise RuntimeError(f"{helper} exited with code {self.process.exitcode}")
+            if not self.process.is_alive():  # a thread has no exit code: its error is printed
+                code = getattr(self.process, "exitcode", None)
+                raise RuntimeError(
+                    f"{helper} exited" + ("" if code is None else f" with code {code}")
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{helper} did not answer in {WAIT_S} s")
 
@@ -95,7 +135,8 @@ def _started(context: Any, kind: str, directory: str) -> _Neighbor:
     moved = context.Value("q", 0)
     path = os.path.join(directory, f"neighbor-{kind}-{os.getpid()}.bin")
     args = (kind, path, switch, working, resting, moved, stop)
-    process = context.Process(target=_helper, args=args, daemon=True)
+    start = threading.Thread if kind in IN_PROCESS else context.Process
+    process = start(target=_helper, args=args, daemon=True)
     process.start()
     return _Neighbor(kind, process, switch, working, resting, stop, moved, path)
 
@@ -141,8 +182,8 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
         for neighbor in neighbors:
             neighbor.stop.set()
             neighbor.process.join(WAIT_S)
-            if neighbor.process.is_alive():
-                neighbor.process.kill()
+            if neighbor.process.is_alive() and hasattr(neighbor.process, "kill"):
+                neighbor.process.kill()  # a process; a daemon thread ends with its own
             if os.path.exists(neighbor.path):
                 os.remove(neighbor.path)
     return records
