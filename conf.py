@@ -53,7 +53,7 @@ sphinx_gallery_conf = {
     # Execute every recipe; GALLERY_PATTERN=<regex> narrows it (the rest still render).
     "filename_pattern": os.environ.get("GALLERY_PATTERN", r"/recipes_source/"),
     # The launcher is the gallery's scaffolding, not a recipe.
-    "ignore_pattern": r"rank_launcher\.py|__init__\.py|/page_tools/",
+    "ignore_pattern": r"rank_launcher\.py|direct_io\.py|__init__\.py|/page_tools/",
     "within_subsection_order": "dcp_site.RecipeOrder",
     "reset_modules": ("matplotlib", "dcp_site.reset_recipe_outputs"),
     "reset_modules_order": "both",

@@ -40,6 +40,9 @@ STAMP_DIR_ENV = "DCP_RECIPES_STAMP_DIR"  # read by recipes_source/rank_launcher.
 RESULTS_SUBDIR = ".results"
 RESULTS_DIR_ENV = "DCP_RECIPES_RESULTS_DIR"  # read by recipes_source/page_tools/results.py
 LAUNCHER = "rank_launcher.py"
+# Modules beside the recipes that a page imports for code a reader keeps (the launcher
+# aside): each download holds the ones its page imports, as it holds the launcher.
+SITE_MODULES = ("direct_io",)
 PAGE_PACKAGE = "page_tools"  # the pages' measuring and proving code, left out of downloads
 
 # The order a reader should take: basics and export, async, full overlap, resuming, loading
@@ -71,7 +74,8 @@ RECIPE_ORDER = (
 
 def recipe_names(confdir: str | os.PathLike = Path(__file__).parent) -> list[str]:
     """Every recipe's file stem, in reading order: RECIPE_ORDER, then any others by name."""
-    found = {p.name for p in Path(confdir, SOURCE_DIR).glob("*.py")} - {LAUNCHER, "__init__.py"}
+    modules = {LAUNCHER, "__init__.py", *(f"{name}.py" for name in SITE_MODULES)}
+    found = {p.name for p in Path(confdir, SOURCE_DIR).glob("*.py")} - modules
     ordered = [name for name in RECIPE_ORDER if name in found]
     return [Path(name).stem for name in ordered + sorted(found - set(ordered))]
 
@@ -616,7 +620,7 @@ def page_metrics(source: str) -> dict[str, int]:
 
 
 def launcher_code(launcher_source: str) -> str:
-    """The launcher without its module docstring (the header above replaces it)."""
+    """The launcher (or a site module) without its module docstring (a header replaces it)."""
     tree = ast.parse(launcher_source)
     first = tree.body[0]
     lines = launcher_source.splitlines(keepends=True)
@@ -625,19 +629,72 @@ def launcher_code(launcher_source: str) -> str:
     return "".join(lines).strip("\n") + "\n"
 
 
-def standalone_script(script: str, launcher_source: str) -> str:
-    """A recipe script as a download: the recipe only, with the launcher written in, after
-    its docstring, in place of the import."""
+def module_import(name: str) -> re.Pattern:
+    """A page's import of the site module ``name``."""
+    return re.compile(rf"^from {name} import [^\n]+\n", re.M)
+
+
+def module_summary(source: str) -> str:
+    """A site module's docstring's first line, without its full stop."""
+    return (ast.get_docstring(ast.parse(source)) or "").split("\n", 1)[0].rstrip(".")
+
+
+def module_header(name: str, source: str) -> str:
+    """What a download says above a site module it holds."""
+    summary = module_summary(source)
+    return (
+        f"# %%\n# {summary}\n# {'-' * len(summary)}\n"
+        f"# This cell is the site's {name}.py, which this page imports; the build wrote it\n"
+        f"# into this download so that the file runs on its own. To use it in your own code,\n"
+        f'# save this cell as {name}.py. The recipe continues after "End of {name}.py".\n'
+    )
+
+
+def module_note(name: str, source: str) -> str:
+    """What a notebook says above a site module's cell."""
+    return (
+        f"## {module_summary(source)}\n"
+        f"The next cell is the site's `{name}.py`, which this page imports; the build wrote it "
+        f"into this notebook so that it runs on its own. To use it in your own code, save that "
+        f"cell as `{name}.py`."
+    )
+
+
+def site_module_sources(confdir: str | os.PathLike = Path(__file__).parent) -> dict[str, str]:
+    """Each site module's source, by name."""
+    return {name: Path(confdir, SOURCE_DIR, f"{name}.py").read_text() for name in SITE_MODULES}
+
+
+def imported_modules(code: str, modules: dict[str, str]) -> list[str]:
+    """The site modules ``code`` imports, in ``SITE_MODULES``' order."""
+    return [name for name in modules if module_import(name).search(code)]
+
+
+def standalone_script(
+    script: str, launcher_source: str, modules: dict[str, str] | None = None
+) -> str:
+    """A recipe script as a download: the recipe only, with the launcher and the site
+    ``modules`` it imports (default: this checkout's) written in, after its docstring, in
+    place of the imports."""
     script = recipe_only(script)
+    modules = site_module_sources() if modules is None else modules
+    used = imported_modules(script, modules)
     if not LAUNCHER_IMPORT.search(script):
         return script
     script = LAUNCHER_IMPORT.sub("", script, count=1)
+    for name in used:
+        script = module_import(name).sub("", script, count=1)
     tree = ast.parse(script)
     has_docstring = tree.body and isinstance(tree.body[0], ast.Expr)
     split = tree.body[0].end_lineno if has_docstring else 0
     lines = script.splitlines(keepends=True)
-    launcher = f"{LAUNCHER_HEADER}\n{launcher_code(launcher_source)}\n# End of the rank launcher.\n"
-    return "".join(lines[:split]) + "\n\n" + launcher + "\n\n" + "".join(lines[split:])
+    launcher = launcher_code(launcher_source)
+    written = [f"{LAUNCHER_HEADER}\n{launcher}\n# End of the rank launcher.\n"]
+    for name in used:
+        code = launcher_code(modules[name])
+        written.append(f"{module_header(name, modules[name])}\n{code}\n# End of {name}.py.\n")
+    inserted = "\n\n".join(written)
+    return "".join(lines[:split]) + "\n\n" + inserted + "\n\n" + "".join(lines[split:])
 
 
 def _cell(cell_type: str, text: str) -> dict:
@@ -652,8 +709,12 @@ def notebook_launcher_cell(launcher_source: str, stem: str) -> str:
     return launcher_code(launcher_source) + f'os.environ.setdefault(RECIPE_ENV, "{stem}")\n'
 
 
-def standalone_notebook(notebook: dict, launcher_source: str, stem: str) -> dict:
-    """A recipe notebook with the launcher in a cell of its own, in place of the import."""
+def standalone_notebook(
+    notebook: dict, launcher_source: str, stem: str, modules: dict[str, str] | None = None
+) -> dict:
+    """A recipe notebook with the launcher in a cell of its own, in place of the import,
+    then each site module it imports (``standalone_script``'s ``modules``) in one too."""
+    modules = site_module_sources() if modules is None else modules
     notebook = copy.deepcopy(notebook)
     codes = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
     names = page_names("\n".join(codes))
@@ -673,12 +734,21 @@ def standalone_notebook(notebook: dict, launcher_source: str, stem: str) -> dict
     ]
     if not importing:
         return notebook
-    for i in importing:
-        text = LAUNCHER_IMPORT.sub("", "".join(cells[i]["source"]), count=1)
+    used = imported_modules("\n".join("".join(c["source"]) for c in cells), modules)
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        text = LAUNCHER_IMPORT.sub("", "".join(cell["source"]), count=1)
+        for name in used:
+            text = module_import(name).sub("", text, count=1)
         cells[i]["source"] = text.splitlines(keepends=True)
-    # After the title cell: the launcher is defined before any cell uses it.
+    # After the title cell: the launcher and the modules are defined before any cell uses them.
     launcher = notebook_launcher_cell(launcher_source, stem)
-    cells[1:1] = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher)]
+    written = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher)]
+    for name in used:
+        note = module_note(name, modules[name])
+        written += [_cell("markdown", note), _cell("code", launcher_code(modules[name]))]
+    cells[1:1] = written
     return notebook
 
 
@@ -688,12 +758,14 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
         return
     confdir, outdir = Path(app.confdir), Path(app.outdir)
     launcher_source = (confdir / SOURCE_DIR / LAUNCHER).read_text()
+    modules = site_module_sources(confdir)
     sources = outdir / "_sources" / SOURCE_DIR
     sources.mkdir(parents=True, exist_ok=True)
     gallery = confdir / GALLERY_DIR
     made = Path(app.doctreedir, "standalone-downloads")
     made.mkdir(parents=True, exist_ok=True)
-    made_with = launcher_source + "\0" + Path(__file__).read_text()  # the launcher, this code
+    # the launcher, the modules, this code
+    made_with = "\0".join([launcher_source, *modules.values(), Path(__file__).read_text()])
     for stem in recipe_names(confdir):
         shutil.copyfile(confdir / SOURCE_DIR / f"{stem}.py", sources / f"{stem}.py.txt")
         # Always from the gallery's own files, so that a rebuild never inlines twice. Sphinx
@@ -709,8 +781,9 @@ def _write_standalone_downloads(app: Sphinx, exception: Exception | None) -> Non
         if cached.get("key") == key:
             script, notebook_text = cached["script"], cached["notebook"]
         else:
-            script = standalone_script(recipe_script, launcher_source)
-            notebook = standalone_notebook(json.loads(recipe_notebook), launcher_source, stem)
+            script = standalone_script(recipe_script, launcher_source, modules)
+            recipe = json.loads(recipe_notebook)
+            notebook = standalone_notebook(recipe, launcher_source, stem, modules)
             notebook_text = json.dumps(notebook, indent=1)
             kept.write_text(json.dumps({"key": key, "script": script, "notebook": notebook_text}))
         for path in (outdir / "_downloads").glob(f"*/{stem}.py"):

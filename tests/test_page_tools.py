@@ -3345,13 +3345,15 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     copies = {kind: neighbors._mover(kind, "")[0] for kind in neighbors.IN_PROCESS}
     for move in copies.values():
         move(0)  # first touch of the target's pages
-    pieces = range(0, neighbors.BUFFER, neighbors.STORAGE)
+    pieces = [offset for offset in range(0, neighbors.BUFFER, neighbors.STORAGE)] * 16
     ticks = {
-        kind: _probe_ticks_during(lambda move=move: [move(o) for o in pieces for _ in range(4)])
+        kind: _probe_ticks_during(lambda move=move: [move(offset) for offset in pieces])
         for kind, move in copies.items()
     }
-    # A thread beside the storage copy runs between pieces only (16 of them), never during one.
-    assert ticks["storage copy"] <= 2 * len(pieces) * 4 < ticks["tensor copy"], ticks
+    # Beside the storage copy a Python thread runs between two pieces only, never during
+    # one; beside the tensor copy, during every piece too (the same load slows both).
+    assert ticks["storage copy"] <= 2 * len(pieces), ticks
+    assert ticks["tensor copy"] > 4 * max(ticks["storage copy"], 1), ticks
     # DefaultStager copies a tensor into the buffer it kept from its first stage with the
     # storage's copy: one 256 MB tensor, a Python thread beside it runs before and after
     # the copy (the stager's own Python), not during it, as beside the tensor's own copy.

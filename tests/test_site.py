@@ -38,9 +38,11 @@ from dcp_site import (
     LAUNCHER_IMPORT,
     NOT_RUN_BLOCK,
     dcp_target,
+    imported_modules,
     is_page_statement,
     is_page_wrapper,
     launcher_code,
+    module_import,
     notebook_launcher_cell,
     page_header,
     page_metrics,
@@ -48,6 +50,7 @@ from dcp_site import (
     recipe_only,
     reread_recipe_pages,
     reread_site_pages,
+    site_module_sources,
     standalone_script,
     torch_docs_url,
     write_if_changed,
@@ -352,6 +355,10 @@ def test_downloads_hold_the_recipe_and_the_launcher(site, name):
         f"functions the page shows, missing from its download: {shown - defined}"
     )
     assert launcher_code(launcher_source()) in script, "the launcher, verbatim, not a copy"
+    modules = site_module_sources()
+    for module in imported_modules((RECIPES / f"{name}.py").read_text(), modules):
+        assert f"from {module} import" not in script
+        assert launcher_code(modules[module]) in script, f"{module}.py, verbatim"
     assert script == standalone_script((RECIPES / f"{name}.py").read_text(), launcher_source())
     ast.parse(script)
     notebook = json.loads(page_download(name, ".ipynb").read_text())
@@ -377,7 +384,12 @@ def test_notebook_holds_exactly_the_code_a_reader_copies(site, name):
     texts = copy_button_texts(page(site, name))
     names = page_names("\n".join(texts))
     copied = [LAUNCHER_IMPORT.sub("", recipe_only(text, names), count=1) for text in texts]
-    assert [c.strip() for c in cells[1:]] == [c.strip() for c in copied if c.strip()]
+    # After the launcher's cell: a cell for each site module the page imports.
+    modules = imported_modules("\n".join(texts), site_module_sources())
+    for module in modules:
+        copied = [module_import(module).sub("", text, count=1) for text in copied]
+    kept = [c.strip() for c in copied if c.strip()]
+    assert [c.strip() for c in cells[1 + len(modules) :]] == kept
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)

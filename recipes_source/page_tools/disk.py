@@ -460,13 +460,17 @@ def checkpoint_on_disk(path: str | os.PathLike) -> dict:
 
 
 def loads_in_one_process(path: str | os.PathLike) -> dict:
-    """Read every tensor of a DCP checkpoint into one process, from its ``.metadata`` alone:
-    ``{"tensors": n, "finite": all values finite}``."""
+    """Read every tensor of a DCP checkpoint into one process, from its ``.metadata`` alone
+    (``direct_io``'s reader where its writer wrote it): ``{"tensors": n, "finite": all
+    values finite}``."""
+    import direct_io  # a module beside the recipes: the stall page writes with it
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = FileSystemReader(str(path)).read_metadata()
+    direct = any(isinstance(e, direct_io.Extent) for e in (metadata.storage_data or {}).values())
+    reader = (direct_io.DirectIOReader if direct else FileSystemReader)(str(path))
     state_dict = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
@@ -475,7 +479,7 @@ def loads_in_one_process(path: str | os.PathLike) -> dict:
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process even when no_dist=True says so.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state_dict, checkpoint_id=str(path), no_dist=True)
+        dcp.load(state_dict, storage_reader=reader, no_dist=True)
     finite = all(
         bool(torch.isfinite(t).all()) for t in state_dict.values() if t.is_floating_point()
     )

@@ -1,0 +1,211 @@
+"""Checkpoints written with direct I/O, from host memory staged without holding the GIL.
+
+Three pieces, for ``dcp.async_save`` with a thread upload and for ``dcp.load``:
+
+* ``AlignedStager`` copies the state into host memory it keeps between saves. Its first
+  save builds that copy with ``DefaultStager`` in shared memory (page-aligned, as direct I/O
+  needs); every later save copies into it with ``Tensor.copy_``, which lets the training
+  thread run Python meanwhile. (``DefaultStager`` copies into a kept buffer with
+  ``UntypedStorage.copy_``, which holds the GIL for each whole storage.)
+* ``DirectIOWriter`` writes each rank's items into one file opened with ``O_DIRECT``,
+  straight from that memory: nothing is copied into the page cache. It is a
+  ``FileSystemWriter``: ``.metadata`` is written last, and renamed into place.
+* ``DirectIOReader`` reads such a checkpoint: its files hold raw bytes, not ``torch.save``.
+
+One save in flight at a time: the next stage copies into the memory the last upload reads.
+"""
+
+import copy
+import dataclasses
+import io
+import mmap
+import os
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
+
+ALIGN = 4096  # the address, file offset and length of every direct write: a page
+BOUNCE_BYTES = 8 << 20  # an aligned buffer for what is not aligned (small items, tails)
+
+
+class _Changed(Exception):
+    """The state no longer has the structure, shapes or dtypes of the kept copy."""
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _copied_into(staged, live):
+    """``live``'s values in ``staged``'s structure: tensors copied into ``staged``'s, the
+    rest (numbers, strings: a learning rate changes) as ``live`` holds them now."""
+    if isinstance(live, torch.Tensor):
+        target, source = _local(staged), _local(live)
+        if target.shape != source.shape or target.dtype != source.dtype:
+            raise _Changed
+        target.copy_(source)  # unlike UntypedStorage.copy_, it lets other threads run
+        return staged
+    if isinstance(live, dict):
+        if not isinstance(staged, dict) or staged.keys() != live.keys():
+            raise _Changed
+        return {key: _copied_into(staged[key], value) for key, value in live.items()}
+    if isinstance(live, (list, tuple)):
+        if type(staged) is not type(live) or len(staged) != len(live):
+            raise _Changed
+        return type(live)(_copied_into(s, value) for s, value in zip(staged, live, strict=True))
+    return copy.deepcopy(live)
+
+
+class AlignedStager(AsyncStager):
+    """Stages in a thread of its own into page-aligned host memory it keeps: the first save
+    with ``DefaultStager`` (shared memory), later ones with ``Tensor.copy_``."""
+
+    _synchronize_after_execute = False  # the caller waits for the future ``stage`` returns
+
+    def __init__(self):
+        on_gpu = torch.cuda.is_available()  # page-locked memory needs CUDA
+        self._first = DefaultStager(StagingOptions(on_gpu, True, False, False))
+        self._staged = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligned-stager")
+
+    def stage(self, state_dict) -> Future:
+        return self._executor.submit(self._stage, state_dict)
+
+    def _stage(self, state_dict):
+        if self._staged is not None:
+            try:
+                return _copied_into(self._staged, state_dict)
+            except _Changed:  # a new structure: build the copy again
+                pass
+        self._staged = self._first.stage(state_dict)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # its copies from the GPU are done
+        return self._staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing: wait for the future ``stage`` returned."""
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._first.close()
+        self._staged = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """Where an item's bytes are: a file of the checkpoint, an offset, a length."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+def _bytes_of(data) -> np.ndarray:
+    if isinstance(data, io.BytesIO):
+        return np.frombuffer(data.getbuffer(), dtype=np.uint8)
+    return data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):  # one call writes at most about 2 GB
+        done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
+
+
+class DirectIOWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` that writes each rank's items into one file with ``O_DIRECT``:
+    from the item's memory where it is page-aligned, through a small aligned buffer where
+    not; every item starts at a page. Where the file system refuses direct I/O, it warns
+    and writes through the page cache; either way the file is synced before ``.metadata``."""
+
+    def prepare_global_plan(self, plans):
+        return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
+
+    def write_data(self, plan, planner) -> TorchFuture:
+        name = f"{plan.storage_data}0.direct"
+        path = os.path.join(self.path, name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError:  # tmpfs and some others: no direct I/O
+            warnings.warn(
+                f"{path}: no direct I/O here; writing through the page cache", stacklevel=2
+            )
+            fd = os.open(path, flags, 0o644)
+        bounce = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous memory: page-aligned
+        aligned = np.frombuffer(bounce, dtype=np.uint8)
+        results, offset = [], 0
+        try:
+            for item in plan.items:
+                data = _bytes_of(planner.resolve_data(item))
+                size = data.nbytes
+                direct = size - size % ALIGN if data.ctypes.data % ALIGN == 0 else 0
+                _write_all(fd, data[:direct], offset)
+                for start in range(direct, size, BOUNCE_BYTES):
+                    piece = data[start : start + BOUNCE_BYTES]
+                    padded = -(-piece.nbytes // ALIGN) * ALIGN
+                    aligned[: piece.nbytes] = piece
+                    aligned[piece.nbytes : padded] = 0
+                    _write_all(fd, aligned[:padded], offset + start)
+                extent = Extent(name, offset, size)
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=size, storage_data=extent)
+                )
+                offset += -(-size // ALIGN) * ALIGN
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            del aligned
+            bounce.close()
+        written = TorchFuture()
+        written.set_result(results)
+        return written
+
+
+class DirectIOReader(FileSystemReader):
+    """Reads a ``DirectIOWriter`` checkpoint: each item's raw bytes, from its extent."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def read_data(self, plan, planner) -> TorchFuture:
+        files = {}
+        try:
+            for item in plan.items:
+                extent = self.storage_data[item.storage_index]
+                if extent.relative_path not in files:
+                    name = os.path.join(self.path, extent.relative_path)
+                    files[extent.relative_path] = open(name, "rb", buffering=0)  # noqa: SIM115
+                file = files[extent.relative_path]
+                file.seek(extent.offset)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(file.read(extent.length)))
+                    continue
+                entry = self.metadata.state_dict_metadata[item.storage_index.fqn]
+                offsets = tuple(item.storage_index.offset)
+                sizes = next(c.sizes for c in entry.chunks if tuple(c.offsets) == offsets)
+                stored = torch.empty(sizes, dtype=entry.properties.dtype)
+                if file.readinto(memoryview(_bytes_of(stored))) != extent.length:
+                    raise OSError(f"{file.name}: shorter than {item.storage_index.fqn} needs")
+                for dim, (start, length) in enumerate(
+                    zip(item.storage_offsets, item.lengths, strict=True)
+                ):
+                    stored = stored.narrow(dim, start, length)  # the part this rank asked for
+                target = planner.resolve_tensor(item).detach()
+                target.copy_(stored)
+                planner.commit_tensor(item, target)
+        finally:
+            for file in files.values():
+                file.close()
+        done = TorchFuture()
+        done.set_result(None)
+        return done
