@@ -734,7 +734,8 @@ def standalone_notebook(
     ]
     if not importing:
         return notebook
-    used = imported_modules("\n".join("".join(c["source"]) for c in cells), modules)
+    code_cells = [c for c in cells if c["cell_type"] == "code"]
+    used = imported_modules("\n".join("".join(c["source"]) for c in code_cells), modules)
     for i, cell in enumerate(cells):
         if cell["cell_type"] != "code":
             continue
