@@ -8,12 +8,11 @@ wrote, read back); these tests check the files, the layout and the edge cases.
 from __future__ import annotations
 
 import os
-import threading
-import time
 import warnings
 from types import SimpleNamespace
 
 import direct_io
+import gil_probe
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -148,28 +147,6 @@ def test_a_file_cut_short_is_an_error_that_names_it_and_a_check_sees_it(tmp_path
     assert "__0_0.direct: shorter than" in _failures(caught.value)
 
 
-def _probe_ticks_during(work) -> int:
-    """How often a Python thread woke up while ``work()`` ran."""
-    ticks, running, stop = [0], threading.Event(), threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            time.sleep(0.0002)
-            ticks[0] += running.is_set()
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    try:
-        time.sleep(0.01)
-        running.set()
-        work()
-        running.clear()
-    finally:
-        stop.set()
-        thread.join()
-    return ticks[0]
-
-
 def test_the_stager_keeps_a_page_aligned_copy_and_refreshes_it_letting_threads_run():
     state = {"model": {"weight": torch.rand(64 << 20)}, "lr": 0.1}  # 256 MB
     stager = direct_io.AlignedStager()
@@ -180,7 +157,7 @@ def test_the_stager_keeps_a_page_aligned_copy_and_refreshes_it_letting_threads_r
         assert torch.equal(kept, state["model"]["weight"])
         state["model"]["weight"].add_(1.0)
         state["lr"] = 0.05
-        ticks = _probe_ticks_during(lambda: stager.stage(state).result())
+        ticks = gil_probe.ticks_during(lambda: stager.stage(state).result())
         again = stager.stage(state).result()
         assert again["model"]["weight"] is kept, "the same memory, copied into"
         assert torch.equal(kept, state["model"]["weight"]) and again["lr"] == 0.05

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import gil_probe
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -3316,28 +3317,6 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
     assert found["copy"]["rounds"]["gb_moved"] == moved["copy"]
 
 
-def _probe_ticks_during(work) -> int:
-    """How often a Python thread woke up while ``work()`` ran: never, if ``work`` held the GIL."""
-    ticks, running, stop = [0], threading.Event(), threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            time.sleep(0.0002)
-            ticks[0] += running.is_set()
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    try:
-        time.sleep(0.01)
-        running.set()
-        work()
-        running.clear()
-    finally:
-        stop.set()
-        thread.join()
-    return ticks[0]
-
-
 def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     from page_tools import neighbors
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -3347,7 +3326,7 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
         move(0)  # first touch of the target's pages
     pieces = [offset for offset in range(0, neighbors.BUFFER, neighbors.STORAGE)] * 16
     ticks = {
-        kind: _probe_ticks_during(lambda move=move: [move(offset) for offset in pieces])
+        kind: gil_probe.ticks_during(lambda move=move: [move(offset) for offset in pieces])
         for kind, move in copies.items()
     }
     # Beside the storage copy a Python thread runs between two pieces only, never during
@@ -3360,9 +3339,9 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     state = {"weight": torch.rand(64 << 20)}
     stager = DefaultStager(StagingOptions(False, False, False, False))
     stager.stage(state)
-    staged = _probe_ticks_during(lambda: stager.stage(state))
+    staged = gil_probe.ticks_during(lambda: stager.stage(state))
     tensor_copy = torch.empty_like(state["weight"])
-    copied = _probe_ticks_during(lambda: tensor_copy.copy_(state["weight"]))
+    copied = gil_probe.ticks_during(lambda: tensor_copy.copy_(state["weight"]))
     assert staged <= 5 and copied > 20, (staged, copied)
     stager.close()
 
