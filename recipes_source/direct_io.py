@@ -72,7 +72,13 @@ class AlignedStager(AsyncStager):
 
     def __init__(self):
         on_gpu = torch.cuda.is_available()  # page-locked memory needs CUDA
-        self._first = DefaultStager(StagingOptions(on_gpu, True, False, False))
+        options = StagingOptions(
+            use_pinned_memory=on_gpu,
+            use_shared_memory=True,  # page-aligned: each storage is a mapping of its own
+            use_async_staging=False,  # this stager's own thread runs it
+            use_non_blocking_copy=False,
+        )
+        self._first = DefaultStager(options)
         self._staged = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligned-stager")
 
