@@ -15,6 +15,7 @@ Three pieces, for ``dcp.async_save`` with a thread upload and for ``dcp.load``:
 One save in flight at a time: the next stage copies into the memory the last upload reads.
 """
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -120,6 +121,11 @@ def _bytes_of(data) -> np.ndarray:
     return data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: a direct write's length, an item's room."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
     view, done = memoryview(data), 0
     while done < len(view):  # one call writes at most about 2 GB
@@ -157,7 +163,7 @@ class DirectIOWriter(FileSystemWriter):
                 _write_all(fd, data[:direct], offset)
                 for start in range(direct, size, BOUNCE_BYTES):
                     piece = data[start : start + BOUNCE_BYTES]
-                    padded = -(-piece.nbytes // ALIGN) * ALIGN
+                    padded = _whole_pages(piece.nbytes)
                     aligned[: piece.nbytes] = piece
                     aligned[piece.nbytes : padded] = 0
                     _write_all(fd, aligned[:padded], offset + start)
@@ -165,7 +171,7 @@ class DirectIOWriter(FileSystemWriter):
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=size, storage_data=extent)
                 )
-                offset += -(-size // ALIGN) * ALIGN
+                offset += _whole_pages(size)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -185,12 +191,13 @@ class DirectIOReader(FileSystemReader):
 
     def read_data(self, plan, planner) -> TorchFuture:
         files = {}
-        try:
+        with contextlib.ExitStack() as closing:
             for item in plan.items:
                 extent = self.storage_data[item.storage_index]
                 if extent.relative_path not in files:
                     name = os.path.join(self.path, extent.relative_path)
-                    files[extent.relative_path] = open(name, "rb", buffering=0)  # noqa: SIM115
+                    opened = open(name, "rb", buffering=0)  # noqa: SIM115
+                    files[extent.relative_path] = closing.enter_context(opened)
                 file = files[extent.relative_path]
                 file.seek(extent.offset)
                 if item.type == LoadItemType.BYTE_IO:
@@ -209,9 +216,6 @@ class DirectIOReader(FileSystemReader):
                 target = planner.resolve_tensor(item).detach()
                 target.copy_(stored)
                 planner.commit_tensor(item, target)
-        finally:
-            for file in files.values():
-                file.close()
         done = TorchFuture()
         done.set_result(None)
         return done

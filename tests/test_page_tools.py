@@ -3324,7 +3324,7 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     copies = {kind: neighbors._mover(kind, "")[0] for kind in neighbors.IN_PROCESS}
     for move in copies.values():
         move(0)  # first touch of the target's pages
-    pieces = [offset for offset in range(0, neighbors.BUFFER, neighbors.STORAGE)] * 16
+    pieces = list(range(0, neighbors.BUFFER, neighbors.STORAGE)) * 16
     ticks = {
         kind: gil_probe.ticks_during(lambda move=move: [move(offset) for offset in pieces])
         for kind, move in copies.items()

@@ -108,7 +108,7 @@ def _helper(kind: str, path: str, switch, working, resting, moved, stop) -> None
 @dataclasses.dataclass
 class _Neighbor:
     kind: str
-    process: multiprocessing.process.BaseProcess | threading.Thread
+    worker: multiprocessing.process.BaseProcess | threading.Thread  # a process, or a thread
     switch: Any
     working: Any
     resting: Any
@@ -121,8 +121,8 @@ class _Neighbor:
         deadline = time.monotonic() + WAIT_S
         helper = f"neighbors: the helper that {HELPERS[self.kind]}"
         while not event.wait(0.05):
-            if not self.process.is_alive():  # a thread has no exit code: its error is printed
-                code = getattr(self.process, "exitcode", None)
+            if not self.worker.is_alive():  # a thread has no exit code: its error is printed
+                code = getattr(self.worker, "exitcode", None)
                 raise RuntimeError(
                     f"{helper} exited" + ("" if code is None else f" with code {code}")
                 )
@@ -136,9 +136,9 @@ def _started(context: Any, kind: str, directory: str) -> _Neighbor:
     path = os.path.join(directory, f"neighbor-{kind}-{os.getpid()}.bin")
     args = (kind, path, switch, working, resting, moved, stop)
     start = threading.Thread if kind in IN_PROCESS else context.Process
-    process = start(target=_helper, args=args, daemon=True)
-    process.start()
-    return _Neighbor(kind, process, switch, working, resting, stop, moved, path)
+    worker = start(target=_helper, args=args, daemon=True)
+    worker.start()
+    return _Neighbor(kind, worker, switch, working, resting, stop, moved, path)
 
 
 def _timed(step: Callable[[], object]) -> tuple[float, int]:
@@ -181,9 +181,9 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
     finally:
         for neighbor in neighbors:
             neighbor.stop.set()
-            neighbor.process.join(WAIT_S)
-            if neighbor.process.is_alive() and hasattr(neighbor.process, "kill"):
-                neighbor.process.kill()  # a process; a daemon thread ends with its own
+            neighbor.worker.join(WAIT_S)
+            if neighbor.worker.is_alive() and hasattr(neighbor.worker, "kill"):
+                neighbor.worker.kill()  # a process; a daemon thread ends with its own
             if os.path.exists(neighbor.path):
                 os.remove(neighbor.path)
     return records

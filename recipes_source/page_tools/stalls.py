@@ -68,8 +68,13 @@ ROUNDS_MUST_PAY = (*WAITS, "overhead_s")
 # or dcp.save's own cost within noise: the goals table says which)
 GOAL_VERDICTS = {True: "met", False: "not met", None: "undecided"}
 # per interval at the headline multiple (the peak memory: over the whole run)
-COSTS = ["overlapped_step_slowdown", "overhead_s", "lost_per_background_s", "extra_memory_mb"]
-COSTS += ["wall_s"]
+COSTS = [
+    "overlapped_step_slowdown",
+    "overhead_s",
+    "lost_per_background_s",
+    "extra_memory_mb",
+    "wall_s",
+]
 
 
 def label(strategy: str, threads: int, default_threads: int) -> str:
