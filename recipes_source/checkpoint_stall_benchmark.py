@@ -7,7 +7,7 @@ the speed steps lose while it is written in the background, and the host memory
 that holds a copy. This recipe trains one model with each saving strategy, at
 intervals from half to four times a save's time, next to the machine's limits.
 Every number is a median over rounds in which the strategies take turns, with
-its spread; a difference smaller than its spread is noise, never advice.
+its spread; an effect that some round did not show is noise, never advice.
 
 .. grid:: 2
 
@@ -500,8 +500,8 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # %%
 # Costs to training, against the run's own steps that overlapped no save: the median
 # step that overlapped one over theirs; the stall plus what those steps took beyond
-# theirs (total overhead; noise: a round that paid none), and per second from the stall
-# to durable; peak host memory over the run without one's (noise: below spread or zero).
+# theirs (total overhead), and per second from the stall to durable; peak host memory
+# over the run without one's. An effect is noise where some round showed none.
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -577,8 +577,8 @@ stalls.thread_budget_table(AT_1X, KNOB, "DefaultStager overlap", len(per_rank), 
 # %%
 # When to choose which
 # --------------------
-# From the numbers above: a strategy leads only if its median beats the next by
-# more than the larger spread. Rerun the page, or ``make bench``, on yours.
+# From the rounds above: a strategy leads only if it is below every other in every
+# round (a round's runs took turns). Rerun the page, or ``make bench``, on yours.
 
 ADVICE = results.record("advice", stalls.advice(SUMMARY, STRATEGIES[1:]))
 stalls.advice_table(ADVICE)

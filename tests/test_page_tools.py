@@ -1603,17 +1603,28 @@ def test_copy_and_write_speeds_in_one_process(tmp_path):
     assert disk.slowest(ranks) == {"copy_reused": 2.0, "write_fsync": 0.5}
 
 
-def test_an_effect_below_its_spread_or_below_neutral_is_noise():
+def test_an_effect_is_noise_where_some_round_showed_none():
     assert not stats.effect([1.0, 1.1], 0.0)["within_noise"]
-    assert stats.effect([0.1, 1.0], 0.0)["within_noise"], "a spread wider than the effect"
+    assert not stats.effect([0.1, 1.0], 0.0)["within_noise"], "in every round, however spread"
+    assert stats.effect([-0.1, 1.0], 0.0)["within_noise"], "one round without it"
+    assert stats.effect([1.0, 1.6], 1.0)["within_noise"], "a slow-down of 1x: none"
     negative = stats.effect([-0.30, -0.31], 0.0)
     assert negative["within_noise"] and negative["effect"] == pytest.approx(-0.305)
     assert stats.effect([1.5, 1.6], 1.0)["effect"] == pytest.approx(0.55)
     assert (
-        stats.shown_entry(stats.effect([0.1, 1.0]), ".2f", " s")
-        == "0.55 s [0.10 .. 1.00] within noise"
+        stats.shown_entry(stats.effect([0.0, 1.0]), ".2f", " s")
+        == "0.50 s [0.00 .. 1.00] within noise"
     )
     assert stats.shown_entry(None, ".2f", " s") == "-"
+
+
+def test_below_in_every_round_pairs_the_rounds():
+    assert stats.below_in_every_round([0.1, 0.3], [[0.2, 0.4], [0.15, 0.5]])
+    assert not stats.below_in_every_round([0.1, 0.3], [[0.2, 0.25]]), "above in round 2"
+    assert not stats.below_in_every_round([0.1, 0.3], [[0.1, 0.4]]), "a tie is no lead"
+    assert stats.below_in_every_round([0.1], []), "nothing to be below"
+    with pytest.raises(ValueError):
+        stats.below_in_every_round([0.1, 0.2], [[0.3]])
 
 
 def test_below_goal_is_met_missed_or_undecided_round_by_round():
@@ -1632,10 +1643,9 @@ def test_below_goal_is_met_missed_or_undecided_round_by_round():
 
 def test_a_stall_is_noise_only_where_a_round_waited_none():
     slow_round = [1.06, 3.52, 1.38]  # a blocking save's stall, one round slowed by the machine
-    assert stats.effect(slow_round)["within_noise"], "as an effect: below its spread"
-    assert not stats.wait(slow_round)["within_noise"], "as a wait: it waited in every round"
-    assert stats.wait([0.0, 0.01])["within_noise"]
-    assert stats.wait(slow_round)["effect"] == stats.wait(slow_round)["median"] == 1.38
+    assert not stats.effect(slow_round)["within_noise"], "it waited in every round"
+    assert stats.effect([0.0, 0.01])["within_noise"]
+    assert stats.effect(slow_round)["effect"] == stats.effect(slow_round)["median"] == 1.38
 
 
 def test_stalls_compare_as_factors_so_one_slow_round_cannot_hide_a_hundredfold_gap():
@@ -1651,16 +1661,16 @@ def test_stalls_compare_as_factors_so_one_slow_round_cannot_hide_a_hundredfold_g
     assert said.startswith("a: 0.0251 s less than b, 0.091x")
     with pytest.raises(ValueError, match="positive"):
         stats.difference([0.0, 1.0], [1.0, 2.0], factor=True)
-    summary = {"dcp.save": {"stall_per_checkpoint_s": stats.wait([1.06, 3.52, 1.38])}}
-    summary["fast"] = {"stall_per_checkpoint_s": stats.wait(small)}
+    summary = {"dcp.save": {"stall_per_checkpoint_s": stats.effect([1.06, 3.52, 1.38])}}
+    summary["fast"] = {"stall_per_checkpoint_s": stats.effect(small)}
     goal = stalls.goals(summary, "fast", {"stall_per_checkpoint_s": 0.02})
     assert goal["stall_per_checkpoint_s"]["met"] is True
     # Every round against 0.02x dcp.save's median (1.38 s: 0.0276 s), not its own round's:
     # dcp.save's fastest round (1.06 s: 0.0212 s) does not move the goal under a round.
-    summary["near"] = {"stall_per_checkpoint_s": stats.wait([0.025, 0.02, 0.022])}
+    summary["near"] = {"stall_per_checkpoint_s": stats.effect([0.025, 0.02, 0.022])}
     near = stalls.goals(summary, "near", {"stall_per_checkpoint_s": 0.02})
     assert near["stall_per_checkpoint_s"]["met"] is True
-    summary["over"] = {"stall_per_checkpoint_s": stats.wait([0.025, 0.03, 0.022])}
+    summary["over"] = {"stall_per_checkpoint_s": stats.effect([0.025, 0.03, 0.022])}
     over = stalls.goals(summary, "over", {"stall_per_checkpoint_s": 0.02})
     assert over["stall_per_checkpoint_s"]["met"] is None
 
@@ -1821,8 +1831,8 @@ def test_memory_a_manager_keeps_between_runs_is_left_out_of_its_later_runs():
     assert summary["kept"]["extra_memory_mb"] is None
     assert summary["other"]["extra_memory_mb"]["values"] == [pytest.approx(838.0)]
     assert stalls.first_checkpoints_table(collected, ["kept", "other"]).rows[0][2] == "+900 MB"
-    summary["kept"]["stall_per_checkpoint_s"] = stats.wait([0.01, 0.02])
-    summary["other"]["stall_per_checkpoint_s"] = stats.wait([0.5, 0.6])
+    summary["kept"]["stall_per_checkpoint_s"] = stats.effect([0.01, 0.02])
+    summary["other"]["stall_per_checkpoint_s"] = stats.effect([0.5, 0.6])
     stall_only = {"stall_per_checkpoint_s": "the pause matters"}
     assert (
         stalls.advice(summary, ["kept", "other"], stall_only)["stall_per_checkpoint_s"]["best"]
@@ -1849,9 +1859,9 @@ def test_goals_cannot_be_met_against_a_reference_that_is_noise():
 
 def test_advice_gives_none_where_the_lead_is_noise():
     summary = {
-        "a": {"stall_per_checkpoint_s": stats.wait([0.10, 0.11])},
-        "b": {"stall_per_checkpoint_s": stats.wait([0.50, 0.52])},
-        "c": {"stall_per_checkpoint_s": stats.wait([0.105, 0.2])},
+        "a": {"stall_per_checkpoint_s": stats.effect([0.10, 0.11])},
+        "b": {"stall_per_checkpoint_s": stats.effect([0.50, 0.52])},
+        "c": {"stall_per_checkpoint_s": stats.effect([0.09, 0.2])},  # below a in round 1
     }
     found = stalls.advice(summary, ["a", "b", "c"], {"stall_per_checkpoint_s": "it matters"})
     assert found["stall_per_checkpoint_s"]["best"] == "a"
@@ -3389,7 +3399,7 @@ def test_each_helpers_cost_is_the_steps_seconds_lost_per_second_beside_it():
 def test_the_overhead_goal_says_how_soon_a_save_must_be_on_disk_at_its_loss_per_second():
     def entry(stall, durable, lost):
         return {
-            "stall_per_checkpoint_s": stats.wait([stall]),
+            "stall_per_checkpoint_s": stats.effect([stall]),
             "time_until_durable_s": stats.summary([durable]),
             "lost_per_background_s": None if lost is None else stats.summary([lost]),
         }

@@ -221,10 +221,9 @@ def summarize(records: list[dict]) -> dict:
     for kind, rounds in stats.group(records, "helper").items():
         alone, beside, gb = rounds["alone_s"], rounds["beside_s"], rounds["gb_moved"]
         lost = [(b - a) / b for a, b in zip(alone, beside, strict=True)]
-        slowdown = stats.summary([b / a for a, b in zip(alone, beside, strict=True)])
         # Each round's two steps ran seconds apart (a slow minute slows both): the helper
         # slows the step where it did so in every round (the spread does not cross 1).
-        slowdown.update(effect=slowdown["median"] - 1, within_noise=slowdown["min"] <= 1)
+        slowdown = stats.effect([b / a for a, b in zip(alone, beside, strict=True)], 1.0)
         found[kind] = {
             "what": HELPERS[kind],
             "slowdown": slowdown,

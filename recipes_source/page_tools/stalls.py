@@ -29,8 +29,7 @@ interval, against the run without checkpoints of the same round and thread budge
   on disk to meet an overhead goal.
 
 ``summarize`` gives every metric's median over the rounds, its spread, and for effects
-whether they are within noise (``stats.effect``; a stall, a wait the loop timed itself,
-and the total overhead, a cost: ``stats.wait``, noise unless every round paid some); the
+whether they are within noise (``stats.effect``: noise unless every round had some); the
 rest renders tables from that. Stalls, which differ by factors of a hundred between
 strategies, compare on the ratio scale (``WAITS``).
 """
@@ -62,8 +61,6 @@ METRICS = {
 TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 # waits the loop timed itself: compared as factors, noise only where a round waited none
 WAITS = ("stall_per_checkpoint_s",)
-# costs every round must pay to count: noise where the rounds' spread reaches zero
-ROUNDS_MUST_PAY = (*WAITS, "overhead_s")
 # a goal's ``met``, in words: met, not met, or undecided (rounds on both sides of the goal,
 # or dcp.save's own cost within noise: the goals table says which)
 GOAL_VERDICTS = {True: "met", False: "not met", None: "undecided"}
@@ -391,8 +388,6 @@ def summarize(
                 summary[name][metric] = None
             elif neutral is None or name == baseline_of(name):
                 summary[name][metric] = stats.summary(values)
-            elif metric in ROUNDS_MUST_PAY:
-                summary[name][metric] = stats.wait(values)
             else:
                 summary[name][metric] = stats.effect(values, neutral)
     return summary
@@ -425,10 +420,10 @@ def sweep(
                 "steps_between": _segment(runs[name][0][0], multiple)[1]["steps_between"],
                 "interval_vs_save": statistics.median(ratios),
                 "interval_vs_upload": statistics.median(own),
-                "stall_per_checkpoint_s": stats.wait(
+                "stall_per_checkpoint_s": stats.effect(
                     [m["stall_per_checkpoint_s"] for m in per_round]
                 ),
-                "overhead_s": stats.wait([m["overhead_s"] for m in per_round]),
+                "overhead_s": stats.effect([m["overhead_s"] for m in per_round]),
             }
     return found
 
@@ -543,26 +538,35 @@ CRITERIA = {
 
 
 def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = CRITERIA) -> dict:
-    """Per criterion (metric: when it matters), the strategy with the lowest median and the
-    runner-up, and whether its lead is more than noise (``stats.verdict``; stalls as factors)."""
+    """Per criterion (metric: when it matters), the strategy with the lowest median, and
+    whether it leads beyond noise: below every other strategy in every round (a round's runs
+    took turns on the same machine: ``stats.below_in_every_round``). ``second``: the
+    runner-up where it leads, else the strategy (lowest median first) that was at or below it
+    in some round."""
     found = {}
     for metric, when in criteria.items():
-        heading, _, unit, _ = METRICS[metric]
+        _, spec, unit, _ = METRICS[metric]
         measured = [name for name in strategies if summary[name][metric] is not None]
-        best, second = sorted(measured, key=lambda n: _median(summary, n, metric))[:2]
-        said, diff = stats.verdict(
-            best,
-            summary[best][metric]["values"],
-            second,
-            summary[second][metric]["values"],
-            unit.strip(),
-            factor=metric in WAITS,
+        best, *rest = sorted(measured, key=lambda n: _median(summary, n, metric))
+        values = {name: summary[name][metric]["values"] for name in measured}
+        if not rest:
+            raise ValueError(f"{metric}: one strategy measured, {best}; no runner-up")
+        rivals = [n for n in rest if not stats.below_in_every_round(values[best], [values[n]])]
+        second = (rivals or rest)[0]
+        medians = f"medians {_median(summary, best, metric):{spec}} and "
+        medians += f"{_median(summary, second, metric):{spec}}{unit}"
+        rounds = len(values[best])
+        said = (
+            f"{best} is below every other in each of the {rounds} rounds ({medians})"
+            if not rivals
+            else f"{best} and {second} are within noise of each other: {second} was as low or "
+            f"lower in some of the {rounds} rounds ({medians})"
         )
         found[metric] = {
             "when": when,
             "best": best,
             "second": second,
-            "choose": None if diff["within_noise"] else best,
+            "choose": None if rivals else best,
             "said": said,
         }
     return found

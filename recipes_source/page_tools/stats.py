@@ -164,24 +164,14 @@ def verdict_cells(
 
 
 def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
-    """Repeated measurements of an effect that cannot be negative (a stall, extra memory, a
-    slow-down above ``neutral``): their ``summary``, the ``effect`` (median minus ``neutral``)
-    and whether it is ``within_noise``: smaller than the spread, or below ``neutral`` (a
-    checkpoint does not make training faster: a negative median measures noise)."""
+    """Repeated measurements of an effect that cannot be negative (a stall, a cost, extra
+    memory, a slow-down above ``neutral``): their ``summary``, the ``effect`` (median minus
+    ``neutral``) and whether it is ``within_noise``: where the spread reaches ``neutral``, a
+    round without the effect (or with the opposite one). An effect in every round is an
+    effect, however much it varies: a slow round of a shared machine does not hide it."""
     entry = summary(values)
     entry["effect"] = entry["median"] - neutral
-    entry["within_noise"] = entry["effect"] < entry["spread"]
-    return entry
-
-
-def wait(values: Sequence[float]) -> dict:
-    """Repeated measurements of a wait the loop timed itself (a stall), or of a cost summed
-    from it and its run's own steps (an overhead): their ``summary``, and ``within_noise``
-    only where the spread reaches zero (a round paid none). Neither is the difference of two
-    runs, as an ``effect`` is: a stall in every round is a stall, however much it varies."""
-    entry = summary(values)
-    entry["effect"] = entry["median"]
-    entry["within_noise"] = entry["min"] <= 0
+    entry["within_noise"] = entry["min"] <= neutral
     return entry
 
 
@@ -195,6 +185,16 @@ def below_goal(values: Sequence[float], limit: float, factor: bool = False) -> d
     below = [value < limit for value in values]
     met = True if all(below) else False if not any(below) else None
     return {**diff, "met": met, "within_noise": met is None, "rounds_below": sum(below)}
+
+
+def below_in_every_round(values: Sequence[float], others: Sequence[Sequence[float]]) -> bool:
+    """Whether ``values`` are below each of ``others`` in every round, paired round by round
+    (runs that took turns: a slow moment of the machine slows a round's runs alike). The
+    spread of each per-round difference stays on one side of zero: beyond noise."""
+    if any(len(other) != len(values) for other in others):
+        raise ValueError("paired measurements come one per round")
+    rounds = zip(values, *others, strict=True)
+    return all(value < min(round_, default=math.inf) for value, *round_ in rounds)
 
 
 def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
