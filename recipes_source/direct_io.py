@@ -35,6 +35,7 @@ from torch.futures import Future as TorchFuture
 
 ALIGN = 4096  # the address, file offset and length of every direct write: a page
 BOUNCE_BYTES = 8 << 20  # an aligned buffer for what is not aligned (small items, tails)
+IO_PIECE = 1 << 30  # the most one read or write call moves (Linux: at most about 2 GB)
 
 
 class _Changed(Exception):
@@ -128,8 +129,20 @@ def _whole_pages(nbytes: int) -> int:
 
 def _write_all(fd: int, data: np.ndarray, offset: int) -> None:
     view, done = memoryview(data), 0
-    while done < len(view):  # one call writes at most about 2 GB
-        done += os.pwrite(fd, view[done : done + (1 << 30)], offset + done)
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + IO_PIECE], offset + done)
+
+
+def _read_extent(file, extent: Extent, into: memoryview, fqn: str) -> None:
+    """Fill ``into`` with ``extent``'s bytes, piece by piece; a file that ends first is an
+    error that names the file and the item."""
+    done = 0
+    while done < extent.length:
+        piece = into[done : min(extent.length, done + IO_PIECE)]
+        got = os.preadv(file.fileno(), [piece], extent.offset + done)
+        if not got:
+            raise OSError(f"{file.name}: shorter than {fqn} needs")
+        done += got
 
 
 class DirectIOWriter(FileSystemWriter):
@@ -198,17 +211,17 @@ class DirectIOReader(FileSystemReader):
                     name = os.path.join(self.path, extent.relative_path)
                     opened = open(name, "rb", buffering=0)  # noqa: SIM115
                     files[extent.relative_path] = closing.enter_context(opened)
-                file = files[extent.relative_path]
-                file.seek(extent.offset)
+                file, fqn = files[extent.relative_path], item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(file.read(extent.length)))
+                    stored = bytearray(extent.length)
+                    _read_extent(file, extent, memoryview(stored), fqn)
+                    planner.load_bytes(item, io.BytesIO(stored))
                     continue
-                entry = self.metadata.state_dict_metadata[item.storage_index.fqn]
+                entry = self.metadata.state_dict_metadata[fqn]
                 offsets = tuple(item.storage_index.offset)
                 sizes = next(c.sizes for c in entry.chunks if tuple(c.offsets) == offsets)
                 stored = torch.empty(sizes, dtype=entry.properties.dtype)
-                if file.readinto(memoryview(_bytes_of(stored))) != extent.length:
-                    raise OSError(f"{file.name}: shorter than {item.storage_index.fqn} needs")
+                _read_extent(file, extent, memoryview(_bytes_of(stored)), fqn)
                 for dim, (start, length) in enumerate(
                     zip(item.storage_offsets, item.lengths, strict=True)
                 ):

@@ -147,6 +147,30 @@ def test_a_file_cut_short_is_an_error_that_names_it_and_a_check_sees_it(tmp_path
     assert "__0_0.direct: shorter than" in _failures(caught.value)
 
 
+def test_a_bytes_item_cut_short_is_an_error_that_names_the_file_and_the_item(tmp_path):
+    dcp.save(_state(), storage_writer=direct_io.DirectIOWriter(tmp_path), no_dist=True)
+    metadata = direct_io.DirectIOReader(tmp_path).read_metadata()
+    (note,) = [e for i, e in metadata.storage_data.items() if i.fqn == "note"]
+    with open(tmp_path / note.relative_path, "r+b") as file:
+        file.truncate(note.offset + 1)  # the string's first byte, and nothing after it
+    with pytest.raises(CheckpointException) as caught:
+        reader = direct_io.DirectIOReader(tmp_path)
+        dcp.load({"note": ""}, storage_reader=reader, no_dist=True)
+    assert "__0_0.direct: shorter than note needs" in _failures(caught.value)
+
+
+def test_items_larger_than_one_call_moves_are_written_and_read_piece_by_piece(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(direct_io, "IO_PIECE", 4096)  # the 148,000-byte weight: 37 pieces
+    state = _state()
+    dcp.save(state, storage_writer=direct_io.DirectIOWriter(tmp_path), no_dist=True)
+    loaded = _empty_like(state)
+    dcp.load(loaded, storage_reader=direct_io.DirectIOReader(tmp_path), no_dist=True)
+    _assert_same(loaded["weight"], state["weight"])
+    _assert_same(loaded["half"], state["half"])
+
+
 def test_the_stager_keeps_a_page_aligned_copy_and_refreshes_it_letting_threads_run():
     state = {"model": {"weight": torch.rand(64 << 20)}, "lr": 0.1}  # 256 MB
     stager = direct_io.AlignedStager()
