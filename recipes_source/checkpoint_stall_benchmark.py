@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from direct_io import AlignedStager, DirectIOWriter
+from direct_io import AlignedStager, DirectIOPlanner, DirectIOWriter
 from page_tools import disk, figures, machine, memory, neighbors, processes, results, stalls, timing
 from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -151,8 +151,8 @@ def build_sharded_model(seed):
 #   pass changes no tensor of the state: :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
 # * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in DCP's own
 #   process, free of this one's GIL, from the shared memory the stager fills.
-# * ``direct I/O overlap``: the same overlap, with a copy that lets training run, and a
-#   write with ``O_DIRECT`` (``direct_io.py``, a module beside this page).
+# * ``direct I/O overlap``: the same overlap, with a copy that lets training run, a
+#   write with ``O_DIRECT``, and DCP's plan kept between saves (``direct_io.py``).
 # * ``torch_checkpointing``'s ``CheckpointManager`` stages into shared memory in
 #   the background too and writes in its own process; ``lock()`` holds
 #   ``optimizer.step()`` until staging is done. CPU settings from its guide, no
@@ -223,8 +223,8 @@ def new_stager(strategy):
 
 
 def start_checkpoint(strategy, state_dict, path, group, stager):
-    """Start one checkpoint. Returns what is still in flight: a future for the copy to host
-    memory (*staging*) and one for the write (*upload*), each None if nothing is left."""
+    """Start one checkpoint; returns what is in flight (None: nothing): a future for the
+    copy to host memory (*staging*) and one for the write (*upload*)."""
     if strategy == "dcp.save":
         dcp.save(state_dict, checkpoint_id=path, process_group=group)
         return None, None
@@ -235,9 +235,9 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
         return stager, stager.save(path, state)  # staging: until its lock is free
     direct = strategy == "direct I/O overlap"  # per_thread_copy_ahead=0: no GPU 0 context
     writer = (DirectIOWriter if direct else dcp.FileSystemWriter)(path, per_thread_copy_ahead=0)
-    in_process = strategy == "process writer"
-    checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
-    options = dict(storage_writer=writer, process_group=group, async_stager=stager)
+    checkpointer = AsyncCheckpointerType["PROCESS" if strategy == "process writer" else "THREAD"]
+    planner = DirectIOPlanner() if direct else None  # it keeps DCP's plan between saves
+    options = dict(storage_writer=writer, process_group=group, async_stager=stager, planner=planner)
     response = dcp.async_save(state_dict, async_checkpointer_type=checkpointer, **options)
     return response.staging_completion, response.upload_completion
 

@@ -171,6 +171,24 @@ def test_items_larger_than_one_call_moves_are_written_and_read_piece_by_piece(
     _assert_same(loaded["half"], state["half"])
 
 
+def test_the_planner_keeps_its_plan_apart_and_every_save_reads_back_its_own_values(tmp_path):
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    saves = [_state(), _state(), {**_state(), "extra": torch.rand(3)}]  # the last: new shape
+    saves[1]["weight"] += 1.0
+    others = SavePlanner._cached_save_plan.get("DefaultSavePlanner")  # another planner's plan
+    for number, state in enumerate(saves):
+        writer = direct_io.DirectIOWriter(tmp_path / str(number))
+        dcp.save(state, storage_writer=writer, planner=direct_io.DirectIOPlanner(), no_dist=True)
+        assert "DirectIOPlanner" in SavePlanner._cached_save_plan, "kept, under its own name"
+        assert SavePlanner._cached_save_plan.get("DefaultSavePlanner") is others
+    for number, state in enumerate(saves):
+        loaded = _empty_like(state)
+        reader = direct_io.DirectIOReader(tmp_path / str(number))
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        _assert_same(loaded, state)
+
+
 def test_the_stager_keeps_a_page_aligned_copy_and_refreshes_it_letting_threads_run():
     state = {"model": {"weight": torch.rand(64 << 20)}, "lr": 0.1}  # 256 MB
     stager = direct_io.AlignedStager()
