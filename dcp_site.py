@@ -727,22 +727,16 @@ def standalone_notebook(
             cell["source"] = code.rstrip("\n").splitlines(keepends=True)
         cells.append(cell)
     notebook["cells"] = cells
-    importing = [
-        i
-        for i, cell in enumerate(cells)
-        if cell["cell_type"] == "code" and LAUNCHER_IMPORT.search("".join(cell["source"]))
-    ]
-    if not importing:
+    code_cells = [cell for cell in cells if cell["cell_type"] == "code"]
+    kept = ["".join(cell["source"]) for cell in code_cells]  # the recipe's code, cell by cell
+    if not any(LAUNCHER_IMPORT.search(code) for code in kept):
         return notebook
-    code_cells = [c for c in cells if c["cell_type"] == "code"]
-    used = imported_modules("\n".join("".join(c["source"]) for c in code_cells), modules)
-    for i, cell in enumerate(cells):
-        if cell["cell_type"] != "code":
-            continue
-        text = LAUNCHER_IMPORT.sub("", "".join(cell["source"]), count=1)
+    used = imported_modules("\n".join(kept), modules)
+    for cell, code in zip(code_cells, kept, strict=True):
+        text = LAUNCHER_IMPORT.sub("", code, count=1)
         for name in used:
             text = module_import(name).sub("", text, count=1)
-        cells[i]["source"] = text.splitlines(keepends=True)
+        cell["source"] = text.splitlines(keepends=True)
     # After the title cell: the launcher and the modules are defined before any cell uses them.
     launcher = notebook_launcher_cell(launcher_source, stem)
     written = [_cell("markdown", LAUNCHER_NOTE), _cell("code", launcher)]
