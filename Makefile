@@ -21,6 +21,11 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # it imports again (6.6 s more per `import torch`): the project's commands write bytecode, into
 # the venv and the repository's ignored __pycache__ folders.
 unexport PYTHONDONTWRITEBYTECODE
+# PyTorch's allocator starts every tensor of 2 MB or more at a 2 MB page (transparent huge
+# pages): direct I/O, which reads page-aligned memory only, then writes the stall page's
+# training tensors where they lie (recipes_source/direct_io.py). Every process make starts
+# runs with it, so the pages' numbers compare; each results file says whether it held.
+export THP_MEM_ALLOC_ENABLE := 1
 # What the build's first processes (the quick start's, the first page, Sphinx) all import: one
 # process compiles it (about 20 s on one core) before several would compile it side by side.
 WARM_IMPORTS := torch.distributed.checkpoint, torch.distributed.fsdp, torch._dynamo, sphinx_gallery.gen_gallery

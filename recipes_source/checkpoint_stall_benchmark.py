@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from direct_io import AlignedStager, DirectIOPlanner, DirectIOWriter
+from direct_io import AlignedStager, async_save_in_place
 from page_tools import disk, figures, machine, memory, neighbors, processes, results, stalls, timing
 from rank_launcher import run_on_ranks, shared_tempdir, under_torchrun
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -151,8 +151,8 @@ def build_sharded_model(seed):
 #   pass changes no tensor of the state: :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
 # * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in DCP's own
 #   process, free of this one's GIL, from the shared memory the stager fills.
-# * ``direct I/O overlap``: the same overlap, with a copy that lets training run, a
-#   write with ``O_DIRECT``, and DCP's plan kept between saves (``direct_io.py``).
+# * ``direct I/O overlap``: the same overlap, no copy: DCP's thread writes the training
+#   tensors with ``O_DIRECT`` where they lie (``direct_io.py``; ``THP_MEM_ALLOC_ENABLE=1``).
 # * ``torch_checkpointing``'s ``CheckpointManager`` stages into shared memory in
 #   the background too and writes in its own process; ``lock()`` holds
 #   ``optimizer.step()`` until staging is done. CPU settings from its guide, no
@@ -215,16 +215,15 @@ def new_stager(strategy):
     """The stager a strategy reuses for every save (it keeps the host buffer), or None."""
     if strategy == "torch_checkpointing":
         return checkpoint_manager()
-    if strategy == "DefaultStager overlap":
-        return DefaultStager(staging_options(use_async_staging=True))
-    if strategy == "process writer":
-        return DefaultStager(staging_options(use_async_staging=True, checkpoint_process=True))
-    return AlignedStager() if strategy == "direct I/O overlap" else None
+    if strategy in ("DefaultStager overlap", "process writer"):
+        return DefaultStager(staging_options(True, checkpoint_process=strategy == "process writer"))
+    direct_from_gpu = strategy == "direct I/O overlap" and torch.accelerator.is_available()
+    return AlignedStager() if direct_from_gpu else None  # from the CPU: no copy at all
 
 
 def start_checkpoint(strategy, state_dict, path, group, stager):
-    """Start one checkpoint; returns what is in flight (None: nothing): a future for the
-    copy to host memory (*staging*) and one for the write (*upload*)."""
+    """Start one checkpoint; returns what is in flight (None: nothing): a future for
+    *staging* (until then, the state must not change) and one for the write (*upload*)."""
     if strategy == "dcp.save":
         dcp.save(state_dict, checkpoint_id=path, process_group=group)
         return None, None
@@ -233,11 +232,12 @@ def start_checkpoint(strategy, state_dict, path, group, stager):
     if strategy == "torch_checkpointing":  # staged once its lock is free
         state = {key: value.state_dict() for key, value in state_dict.items()}
         return stager, stager.save(path, state)  # staging: until its lock is free
-    direct = strategy == "direct I/O overlap"  # per_thread_copy_ahead=0: no GPU 0 context
-    writer = (DirectIOWriter if direct else dcp.FileSystemWriter)(path, per_thread_copy_ahead=0)
+    if strategy == "direct I/O overlap":  # from the training tensors (on a GPU: a stager's copy)
+        response = async_save_in_place(state_dict, path, group, stager)
+        return response.staging_completion, response.upload_completion
+    writer = dcp.FileSystemWriter(path, per_thread_copy_ahead=0)  # 0: no GPU 0 context
     checkpointer = AsyncCheckpointerType["PROCESS" if strategy == "process writer" else "THREAD"]
-    planner = DirectIOPlanner() if direct else None  # it keeps DCP's plan between saves
-    options = dict(storage_writer=writer, process_group=group, async_stager=stager, planner=planner)
+    options = dict(storage_writer=writer, process_group=group, async_stager=stager)
     response = dcp.async_save(state_dict, async_checkpointer_type=checkpointer, **options)
     return response.staging_completion, response.upload_completion
 
@@ -262,7 +262,7 @@ def train_step(model, optimizer, batch, staging):
     """Forward, backward, optimizer step; returns the loss and the seconds waited for staging."""
     loss = (model(batch) - batch.flip(1)).pow(2).mean()  # a target it cannot reach soon
     loss.backward()
-    staged = waited(staging)  # the copy is complete before the weights change
+    staged = waited(staging)  # staging is done before the weights change
     optimizer.step()
     optimizer.zero_grad()
     if torch.accelerator.is_available():

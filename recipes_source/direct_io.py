@@ -1,38 +1,45 @@
-"""Checkpoints written with direct I/O, from host memory staged without holding the GIL.
+"""Checkpoints written with direct I/O, straight from the training tensors.
 
-Four pieces, for ``dcp.async_save`` with a thread upload and for ``dcp.load``:
+Five pieces, for ``dcp.async_save`` with a thread upload and for ``dcp.load``:
 
-* ``AlignedStager`` copies the state into host memory it keeps between saves. Its first
-  save builds that copy with ``DefaultStager`` in shared memory (page-aligned, as direct I/O
-  needs); every later save copies into it with ``Tensor.copy_``, which lets the training
-  thread run Python meanwhile. (``DefaultStager`` copies into a kept buffer with
-  ``UntypedStorage.copy_``, which holds the GIL for each whole storage.)
-* ``DirectIOWriter`` writes each rank's items into one file opened with ``O_DIRECT``,
-  straight from that memory: nothing is copied into the page cache. It is a
+* ``async_save_in_place`` saves with no copy: DCP's upload thread writes the training
+  tensors themselves while the next forward and backward pass run (they change none of
+  them). Its ``staging_completion`` is done once the writes no longer read them: the loop
+  waits for it before ``optimizer.step()``, as for a staged copy. On a GPU, pass a stager.
+* ``DirectIOWriter`` writes each rank's items into one file opened with ``O_DIRECT``:
+  nothing is copied into the page cache. Direct I/O reads page-aligned memory only: with
+  ``THP_MEM_ALLOC_ENABLE=1``, PyTorch puts every tensor of 2 MB or more on a 2 MB
+  boundary, and the writer writes it from where it lies; the rest (small items, tails,
+  tensors elsewhere or on a GPU) goes through a small aligned buffer. It is a
   ``FileSystemWriter``: ``.metadata`` is written last, and renamed into place.
 * ``DirectIOPlanner`` plans each save as ``DefaultSavePlanner`` does, and keeps the plan:
   a save of a state shaped as the last one's reuses it, so the upload thread holds the GIL
   for less of the time training runs.
+* ``AlignedStager`` copies the state into page-aligned host memory it keeps between saves
+  (a GPU's state must come to the host first), with ``Tensor.copy_``, which lets the
+  training thread run Python meanwhile. (``DefaultStager`` copies into a kept buffer with
+  ``UntypedStorage.copy_``, which holds the GIL for each whole storage.)
 * ``DirectIOReader`` reads such a checkpoint: its files hold raw bytes, not ``torch.save``.
 
-One save in flight at a time: the next stage copies into the memory the last upload reads.
+One save in flight at a time: the next one must not start before the last is on disk.
 """
 
 import contextlib
 import copy
 import dataclasses
 import io
-import mmap
 import os
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
@@ -130,10 +137,26 @@ class Extent:
     length: int
 
 
-def _bytes_of(data) -> np.ndarray:
+def _bytes_of(data) -> torch.Tensor:
+    """An item's bytes, flat: a tensor's where it lies (on its device), a ``BytesIO``'s."""
     if isinstance(data, io.BytesIO):
-        return np.frombuffer(data.getbuffer(), dtype=np.uint8)
-    return data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return torch.from_numpy(np.frombuffer(data.getbuffer(), dtype=np.uint8))
+    return data.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory that start at a page (torch aligns its own to 64 bytes)."""
+    room = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    return room[-room.data_ptr() % ALIGN :][:nbytes]
+
+
+def _settled(future: Future, error: BaseException | None = None) -> None:
+    """Complete ``future`` (with ``error``, if any), unless it is already done."""
+    with contextlib.suppress(InvalidStateError):  # the writer's, or the upload's: first wins
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
 
 
 def _whole_pages(nbytes: int) -> int:
@@ -161,9 +184,14 @@ def _read_extent(file, extent: Extent, into: memoryview, fqn: str) -> None:
 
 class DirectIOWriter(FileSystemWriter):
     """A ``FileSystemWriter`` that writes each rank's items into one file with ``O_DIRECT``:
-    from the item's memory where it is page-aligned, through a small aligned buffer where
-    not; every item starts at a page. Where the file system refuses direct I/O, it warns
-    and writes through the page cache; either way the file is synced before ``.metadata``."""
+    from the item's memory where it is page-aligned host memory, through a small aligned
+    buffer where not; every item starts at a page. Where the file system refuses direct
+    I/O, it warns and writes through the page cache; either way the file is synced before
+    ``.metadata``. ``items_read`` is done once its writes no longer read any item."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.items_read = Future()
 
     def prepare_global_plan(self, plans):
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
@@ -179,34 +207,65 @@ class DirectIOWriter(FileSystemWriter):
                 f"{path}: no direct I/O here; writing through the page cache", stacklevel=2
             )
             fd = os.open(path, flags, 0o644)
-        bounce = mmap.mmap(-1, BOUNCE_BYTES)  # anonymous memory: page-aligned
-        aligned = np.frombuffer(bounce, dtype=np.uint8)
+        bounce = _page_aligned(BOUNCE_BYTES)
         results, offset = [], 0
         try:
             for item in plan.items:
                 data = _bytes_of(planner.resolve_data(item))
-                size = data.nbytes
-                direct = size - size % ALIGN if data.ctypes.data % ALIGN == 0 else 0
-                _write_all(fd, data[:direct], offset)
+                size = data.numel()
+                in_place = data.device.type == "cpu" and data.data_ptr() % ALIGN == 0
+                direct = size - size % ALIGN if in_place else 0
+                if direct:
+                    _write_all(fd, data[:direct].numpy(), offset)
                 for start in range(direct, size, BOUNCE_BYTES):
                     piece = data[start : start + BOUNCE_BYTES]
-                    padded = _whole_pages(piece.nbytes)
-                    aligned[: piece.nbytes] = piece
-                    aligned[piece.nbytes : padded] = 0
-                    _write_all(fd, aligned[:padded], offset + start)
+                    padded = _whole_pages(piece.numel())
+                    bounce[: piece.numel()].copy_(piece)  # lets other threads run; from a GPU too
+                    bounce[piece.numel() : padded].zero_()
+                    _write_all(fd, bounce[:padded].numpy(), offset + start)
                 extent = Extent(name, offset, size)
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=size, storage_data=extent)
                 )
                 offset += _whole_pages(size)
+            _settled(self.items_read)  # written (or in the page cache): the state may change
             os.fsync(fd)
+        except BaseException as error:
+            _settled(self.items_read, error)
+            raise
         finally:
             os.close(fd)
-            del aligned
-            bounce.close()
         written = TorchFuture()
         written.set_result(results)
         return written
+
+
+class _InPlace(AsyncStager):
+    """Stages nothing: the upload reads the state itself."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for."""
+
+
+def async_save_in_place(state_dict, checkpoint_id, process_group=None, stager=None):
+    """``dcp.async_save`` with a ``DirectIOWriter``, a ``DirectIOPlanner`` and a thread
+    upload, from the state itself: its ``staging_completion`` is done once the writes no
+    longer read the state (nothing may change it before), its ``upload_completion`` once
+    the checkpoint is on disk. With a ``stager`` (a GPU's state), from the stager's copy."""
+    writer = DirectIOWriter(checkpoint_id, per_thread_copy_ahead=0)  # 0: no GPU 0 context
+    options = dict(storage_writer=writer, planner=DirectIOPlanner(), process_group=process_group)
+    options.update(async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    if stager is not None:
+        return dcp.async_save(state_dict, async_stager=stager, **options)
+    upload = dcp.async_save(state_dict, async_stager=_InPlace(), **options)
+    # An upload that fails before it writes (its plan, a collective) ends the wait too.
+    upload.add_done_callback(lambda done: _settled(writer.items_read, done.exception()))
+    return AsyncSaveResponse(staging_completion=writer.items_read, upload_completion=upload)
 
 
 class DirectIOReader(FileSystemReader):
@@ -235,7 +294,7 @@ class DirectIOReader(FileSystemReader):
                 offsets = tuple(item.storage_index.offset)
                 sizes = next(c.sizes for c in entry.chunks if tuple(c.offsets) == offsets)
                 stored = torch.empty(sizes, dtype=entry.properties.dtype)
-                _read_extent(file, extent, memoryview(_bytes_of(stored)), fqn)
+                _read_extent(file, extent, memoryview(_bytes_of(stored).numpy()), fqn)
                 for dim, (start, length) in enumerate(
                     zip(item.storage_offsets, item.lengths, strict=True)
                 ):

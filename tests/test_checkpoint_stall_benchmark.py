@@ -460,6 +460,20 @@ def test_the_build_proved_and_measured_what_the_page_says(build):
     assert values["machine"]["cores"] == os.cpu_count()
 
 
+def test_direct_io_writes_the_training_tensors_where_they_lie_with_no_copy(build):
+    """make runs every page with THP_MEM_ALLOC_ENABLE=1: torch starts big tensors at a page,
+    and direct I/O overlap holds no copy of the state (DefaultStager overlap holds one)."""
+    values = build["values"]
+    assert values["config"]["big_tensors_start_at_a_page"]
+    share_mb = values["limits"]["bytes_per_rank"] / 1e6
+    extra = {
+        n: values["summary"][n]["extra_memory_mb"]["values"]
+        for n in ("DefaultStager overlap", "direct I/O overlap")
+    }
+    assert all(mb < share_mb / 2 for mb in extra["direct I/O overlap"]), (share_mb, extra)
+    assert all(mb > share_mb * 0.9 for mb in extra["DefaultStager overlap"]), (share_mb, extra)
+
+
 def test_the_page_shows_the_runs_the_results_file_holds(build):
     """What the recipe printed for each run is the results file's run, in order."""
     shown = "".join(page_outputs(RECIPE))

@@ -8,6 +8,8 @@ wrote, read back); these tests check the files, the layout and the edge cases.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -212,3 +214,63 @@ def test_the_stager_keeps_a_page_aligned_copy_and_refreshes_it_letting_threads_r
         assert torch.equal(third["model"]["weight"], state["model"]["weight"])
     finally:
         stager.close()
+
+
+def _writes_recorded(monkeypatch) -> list[tuple[int, int]]:
+    """Where each of the writer's direct writes read from: (address, length)."""
+    writes, real_write_all = [], direct_io._write_all
+
+    def recorded(fd, data, offset):
+        writes.append((data.ctypes.data, data.nbytes))
+        real_write_all(fd, data, offset)
+
+    monkeypatch.setattr(direct_io, "_write_all", recorded)
+    return writes
+
+
+def test_a_page_aligned_tensor_is_written_where_it_lies_and_the_rest_through_the_buffer(
+    tmp_path, monkeypatch
+):
+    lying = direct_io._page_aligned(5 * direct_io.ALIGN + 8).view(torch.float32).normal_()
+    state = {"lying": lying, "elsewhere": torch.rand(3 * direct_io.ALIGN)[1:]}
+    writes = _writes_recorded(monkeypatch)
+    dcp.save(state, storage_writer=direct_io.DirectIOWriter(tmp_path), no_dist=True)
+    assert (lying.data_ptr(), 5 * direct_io.ALIGN) in writes, "its whole pages, in place"
+    elsewhere = range(state["elsewhere"].data_ptr(), state["elsewhere"].data_ptr() + 12288)
+    assert not any(address in elsewhere for address, _ in writes), "copied, then written"
+    loaded = _empty_like(state)
+    dcp.load(loaded, storage_reader=direct_io.DirectIOReader(tmp_path), no_dist=True)
+    _assert_same(loaded, state)
+
+
+def test_a_save_in_place_may_change_the_state_once_staged_and_keeps_what_it_was(tmp_path):
+    state = {"weight": direct_io._page_aligned(64 << 20).view(torch.float32).normal_()}
+    state["small"] = torch.rand(1000, 37)  # not aligned: through the buffer
+    before = {key: value.clone() for key, value in state.items()}
+    response = direct_io.async_save_in_place(state, tmp_path)
+    response.staging_completion.result(timeout=120)
+    for tensor in state.values():
+        tensor.add_(1.0)  # as optimizer.step() does, while the file may still be synced
+    response.upload_completion.result(timeout=120)
+    loaded = _empty_like(state)
+    dcp.load(loaded, storage_reader=direct_io.DirectIOReader(tmp_path), no_dist=True)
+    _assert_same(loaded, before)
+
+
+def test_a_save_in_place_that_fails_before_it_writes_ends_the_wait_with_the_error(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    response = direct_io.async_save_in_place({"w": torch.rand(10)}, tmp_path / "a-file")
+    with pytest.raises(CheckpointException):
+        response.staging_completion.result(timeout=120)  # no hang: the upload's error
+    with pytest.raises(CheckpointException):
+        response.upload_completion.result(timeout=120)
+
+
+def test_with_thp_mem_alloc_enable_torch_starts_every_big_tensor_at_a_page():
+    kept = "kept = [torch.empty(4 << 20) for _ in range(8)]"  # alive: no address used twice
+    check = f"import torch; {kept}; print(all(t.data_ptr() % 4096 == 0 for t in kept))"
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    ran = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ran.stdout.strip() == "True", ran.stderr

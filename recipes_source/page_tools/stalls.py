@@ -767,7 +767,16 @@ def config(
         "world_size": len(per_rank),
         "launcher": "torchrun" if under_torchrun() else "fork",
         "accelerator": torch.accelerator.is_available(),
+        "big_tensors_start_at_a_page": big_tensors_start_at_a_page(),
     }
+
+
+def big_tensors_start_at_a_page(tries: int = 4) -> bool:
+    """Whether torch's allocator starts tensors of 2 MB or more at a page (as with
+    ``THP_MEM_ALLOC_ENABLE=1``), so that direct I/O writes them where they lie. All of
+    ``tries`` at once: one could start at a page by chance."""
+    kept = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(tries)]
+    return all(tensor.data_ptr() % 4096 == 0 for tensor in kept)
 
 
 def first_checkpoints(collected: dict, names: Sequence[str]) -> dict[str, float]:
