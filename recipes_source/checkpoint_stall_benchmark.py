@@ -501,7 +501,7 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # Costs to training, against the run's own steps that overlapped no save: the median
 # step that overlapped one over theirs; the stall plus what those steps took beyond
 # theirs (total overhead), and per second from the stall to durable; peak host memory
-# over the run without one's. An effect is noise where some round showed none.
+# over the run without one's, in whole MB. An effect is noise where a round showed none.
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 

@@ -1695,6 +1695,17 @@ def _run(stall, wall, steps, peak, checkpoints=1, losses=(0.5,), threads=1, save
     }
 
 
+def test_extra_memory_is_counted_in_whole_mb_as_the_tables_show_it():
+    baseline = [_run(0, 0.4, [[0.1, False]], 370.51, checkpoints=0)]
+    extra = {
+        peak: stalls.extra_memory_mb([_run(0, 0.4, [[0.1, False]], peak)], baseline)
+        for peak in (370.61, 370.50, 371.62, 1378.2)
+    }
+    assert extra == {370.61: 0, 370.50: 0, 371.62: 1, 1378.2: 1008}
+    summary = stats.effect([extra[370.61], extra[370.50], extra[371.62]], 0.0)
+    assert summary["within_noise"], "a tenth of a MB above in one round is not an effect"
+
+
 def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
     baseline = [_run(0, 0.4, [[0.1, False]] * 4, 100, checkpoints=0)] * 2  # rank by rank
     run = [
@@ -3321,6 +3332,9 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
     assert moved["spin"] == [0.0, 0.0]
     assert all(gb > 0 for kind in neighbors.HELPERS if kind != "spin" for gb in moved[kind]), moved
     assert all(r["alone_s"] > 0 and r["beside_s"] > 0 for r in records)
+    assert all(r["alone_s"] == (r["before_s"] + r["after_s"]) / 2 for r in records)
+    for earlier, later in zip(records, records[1:]):  # one step alone serves both helpers
+        assert later["before_s"] == earlier["after_s"] or later["round"] != earlier["round"]
     assert list(tmp_path.iterdir()) == [], "the writer's file is removed"
     found = neighbors.summarize(records)
     assert found["spin"]["gb_per_s"] == 0 and "lost_per_s_beside" in found["spin"]
@@ -3378,22 +3392,29 @@ def test_a_neighbor_that_cannot_start_is_named_at_once(tmp_path):
 def test_each_helpers_cost_is_the_steps_seconds_lost_per_second_beside_it():
     from page_tools import neighbors
 
-    def rounds(kind, ratios, gb):
+    def rounds(kind, ratios, gb, before=(1.0, 1.0, 1.0)):
         return [
-            {"round": n, "helper": kind, "alone_s": 1.0, "beside_s": r, "gb_moved": gb}
-            for n, r in enumerate(ratios)
+            {"round": n, "helper": kind, "before_s": b, "after_s": 2.0 - b, "alone_s": 1.0}
+            | {"beside_s": r, "gb_moved": gb}
+            for n, (r, b) in enumerate(zip(ratios, before, strict=True))
         ]
 
     records = rounds("spin", [1.0, 1.1, 1.05], 0.0) + rounds("copy", [1.2, 1.1, 1.3], 2.0)
     records += rounds("write", [1.5, 1.25, 1.4], 0.5)
+    # Above the mean of the two steps alone in every round, but not above the slower one
+    # in the second: a slow minute, not an effect.
+    records += rounds("tensor copy", [1.2, 1.1, 1.3], 1.0, before=(1.0, 1.15, 0.9))
     found = neighbors.summarize(records)
     assert found["spin"]["slowdown"]["within_noise"] and found["copy"]["slowdown"]["effect"] > 0
     assert not found["write"]["slowdown"]["within_noise"]
+    assert not found["copy"]["slowdown"]["within_noise"]
+    assert found["tensor copy"]["slowdown"]["within_noise"]
+    assert found["tensor copy"]["rounds"]["before_s"] == [1.0, 1.15, 0.9]
     assert found["copy"]["lost_per_s_beside"] == pytest.approx(0.2 / 1.2)  # the median round
     assert found["write"]["lost_per_s_beside"] == pytest.approx(0.4 / 1.4)
     assert found["spin"]["lost_per_s_beside"] == pytest.approx(0.05 / 1.05)
     assert found["copy"]["gb_per_s"] == pytest.approx(2.0 / 1.2)
-    assert str(neighbors.table(found)).count("\n") == 4  # caption, heading, three helpers
+    assert str(neighbors.table(found)).count("\n") == 5  # caption, heading, four helpers
 
 
 def test_the_overhead_goal_says_how_soon_a_save_must_be_on_disk_at_its_loss_per_second():

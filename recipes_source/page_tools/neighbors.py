@@ -35,6 +35,7 @@ HELPERS = {
     "tensor copy": "copies in this process, letting it run (Tensor.copy_)",
     "storage copy": "copies in this process, holding its GIL (DefaultStager)",
 }
+SIDES = ("before_s", "after_s")  # the steps alone just before and just after the one beside
 IN_PROCESS = ("tensor copy", "storage copy")  # threads beside the step: they share its GIL
 STORAGE = 16 << 20  # an in-process helper's piece: one 2048 x 2048 float32 weight's storage
 BUFFER = 64 << 20  # a helper's source (and copy target): far beyond the caches
@@ -154,7 +155,7 @@ def _timed(step: Callable[[], object]) -> tuple[float, int]:
 def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[dict]:
     """Per round: ``step`` alone, then beside each helper in turn, alone again after each
     (a slow minute hits them all). Returns one record per round and helper: the step's
-    seconds beside it, alone (the mean of the steps just before and after), and the GB the
+    seconds beside it, just before and just after it alone, and their mean, and the GB the
     helper moved per step beside it (each timing: steps for ``WINDOW_S`` at least)."""
     context = multiprocessing.get_context("spawn")  # a clean process: no copy of the model
     neighbors, records = [], []
@@ -176,6 +177,7 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
                 neighbor.awaited(neighbor.resting)
                 after, _ = _timed(step)  # alone again: the mean of the two takes out a drift
                 record = {"round": number, "helper": neighbor.kind, "alone_s": (before + after) / 2}
+                record.update(before_s=before, after_s=after)
                 records.append({**record, "beside_s": beside, "gb_moved": gb})
                 before = after
     finally:
@@ -214,22 +216,30 @@ def beside_helpers(
 
 
 def summarize(records: list[dict]) -> dict:
-    """Per helper: the step's time beside it over the same round's step alone (an effect
-    where it is above 1 in every round), the GB it moved per second, and the seconds the
-    step lost per second beside it (medians over rounds); with the rounds' own numbers."""
+    """Per helper: the step's time beside it over the same round's step alone (the mean of
+    the steps just before and after), the GB it moved per second, and the seconds the step
+    lost per second beside it (medians over rounds); with the rounds' own numbers. The
+    helper slows the step (beyond noise) where, in every round, the step beside it was
+    slower than *each* of the two steps alone around it."""
     found = {}
     for kind, rounds in stats.group(records, "helper").items():
         alone, beside, gb = rounds["alone_s"], rounds["beside_s"], rounds["gb_moved"]
         lost = [(b - a) / b for a, b in zip(alone, beside, strict=True)]
-        # Each round's two steps ran seconds apart (a slow minute slows both): the helper
-        # slows the step where it did so in every round (the spread does not cross 1).
         slowdown = stats.effect([b / a for a, b in zip(alone, beside, strict=True)], 1.0)
+        # A round's three steps ran seconds apart (a slow minute slows them alike): both
+        # differences, beside minus before and beside minus after, stay above zero in every
+        # round. A helper that costs nothing passes by chance in 1 run of 27 (3 rounds);
+        # against the mean of the two alone, in 1 of 8.
+        slower_than_both = all(
+            stats.below_in_every_round(rounds[alone_s], [beside]) for alone_s in SIDES
+        )
+        slowdown["within_noise"] = not slower_than_both
         found[kind] = {
             "what": HELPERS[kind],
             "slowdown": slowdown,
             "gb_per_s": statistics.median(g / b for g, b in zip(gb, beside, strict=True)),
             "lost_per_s_beside": statistics.median(lost),
-            "rounds": {"alone_s": alone, "beside_s": beside, "gb_moved": gb},
+            "rounds": {key: rounds[key] for key in ("alone_s", *SIDES, "beside_s", "gb_moved")},
         }
     return found
 
@@ -249,4 +259,6 @@ def table(found: dict):
         for kind, entry in found.items()
     ]
     columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / s"]
-    return figures.Table(columns, rows, "medians over rounds [lowest .. highest]")
+    caption = "medians over rounds [lowest .. highest]; an effect where the step beside the "
+    caption += "helper was slower than each step alone around it, in every round"
+    return figures.Table(columns, rows, caption)

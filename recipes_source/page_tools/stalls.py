@@ -329,6 +329,15 @@ def overhead(segment: dict, baseline_segment: dict) -> float:
     return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
 
 
+def extra_memory_mb(run: list[dict], baseline: list[dict]) -> int:
+    """The run's peak host memory over its baseline's (the highest rank's each), in whole MB,
+    as the tables show it: the sampler reads every 10 ms, and below a MB the Python objects
+    of a save (its plan, a pickle) come and go from run to run (+0.1 MB in one, -0.01 in
+    the next): a difference a reader cannot use, and a verdict that would not hold still."""
+    peak = max(r["peak_memory_mb"] for r in run) - max(r["peak_memory_mb"] for r in baseline)
+    return round(peak)
+
+
 def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str, float | None]:
     """One run's metrics at the interval ``multiple``, from every rank's numbers;
     ``baseline``: its round's run without checkpoints, same thread budget."""
@@ -359,7 +368,7 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
         "overhead_s": total,  # without checkpoints 0 (its loop timed microseconds)
         "extra_memory_mb": None  # what it kept from earlier runs is not in its peak
         if run[0].get("memory_kept")
-        else max(r["peak_memory_mb"] for r in run) - max(r["peak_memory_mb"] for r in baseline),
+        else extra_memory_mb(run, baseline),
         "time_until_durable_s": durable,
         # what the steps lost per second the save ran beside them (none for a blocking save)
         "lost_per_background_s": (total - stall) / background if background > 0 else None,
