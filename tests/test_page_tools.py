@@ -3333,7 +3333,7 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
     assert all(gb > 0 for kind in neighbors.HELPERS if kind != "spin" for gb in moved[kind]), moved
     assert all(r["alone_s"] > 0 and r["beside_s"] > 0 for r in records)
     assert all(r["alone_s"] == (r["before_s"] + r["after_s"]) / 2 for r in records)
-    for earlier, later in zip(records, records[1:]):  # one step alone serves both helpers
+    for earlier, later in zip(records[:-1], records[1:], strict=True):  # one step, two roles
         assert later["before_s"] == earlier["after_s"] or later["round"] != earlier["round"]
     assert list(tmp_path.iterdir()) == [], "the writer's file is removed"
     found = neighbors.summarize(records)
