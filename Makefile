@@ -24,7 +24,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # PyTorch's allocator starts every tensor of 2 MB or more at a 2 MB page (transparent huge
 # pages): direct I/O, which reads page-aligned memory only, then writes the stall page's
 # training tensors where they lie (recipes_source/direct_io.py). Every process make starts
-# runs with it, so the pages' numbers compare; each results file says whether it held.
+# runs with it, so the pages' numbers compare; the stall page's results say whether it held.
 export THP_MEM_ALLOC_ENABLE := 1
 # What the build's first processes (the quick start's, the first page, Sphinx) all import: one
 # process compiles it (about 20 s on one core) before several would compile it side by side.

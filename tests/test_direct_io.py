@@ -267,9 +267,10 @@ def test_a_save_in_place_that_fails_before_it_writes_ends_the_wait_with_the_erro
 
 
 def test_with_thp_mem_alloc_enable_torch_starts_every_big_tensor_at_a_page():
-    kept = "kept = [torch.empty(4 << 20) for _ in range(8)]"  # alive: no address used twice
-    check = f"import torch; {kept}; print(all(t.data_ptr() % 4096 == 0 for t in kept))"
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+    # The stall page's own check, in a process that reads the variable at its first allocation.
+    check = "from page_tools import stalls; print(stalls.big_tensors_start_at_a_page(8))"
+    recipes = os.path.dirname(direct_io.__file__)
+    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": recipes}
     ran = subprocess.run(
         [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
     )
