@@ -1259,7 +1259,8 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
     ``_static/measured``), recomputed from its raw runs by this build's ``page_tools``, as
     the page computes its own (the run may predate a change in how a metric is computed):
     where it ran, then per strategy its stall and total overhead at the page's headline
-    interval (its longest), over ``dcp.save``'s, and the goals' verdicts."""
+    interval (its longest), over ``dcp.save``'s, and the goals' verdicts for the strategies
+    the run set them for (since the page sets them for the one it recommends: that one)."""
     stalls, shown = page_tool(confdir, "stalls"), page_tool(confdir, "stats").shown_entry
     values = json.loads(Path(confdir, relative).read_text())["values"]
     config, machine, headline = values["config"], values["machine"], values["headline"]
@@ -1296,7 +1297,7 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
                 f"stall {stalls.GOAL_VERDICTS[verdicts['stall_per_checkpoint_s']['met']]}, "
                 f"overhead {stalls.GOAL_VERDICTS[verdicts['overhead_s']['met']]}"
                 if verdicts
-                else "no goal: staging blocks the loop"
+                else "-"  # the page sets its goals for the strategy it recommends
             ),
         ]
     goal = f"at most {headline['stall_goal']}x, {headline['overhead_goal']}x dcp.save's"
@@ -1312,7 +1313,7 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
             "     - stall / dcp.save's",
             "     - total overhead",
             "     - overhead / dcp.save's",
-            f"     - goals of background staging ({goal})",
+            f"     - goals ({goal})",
             *rows,
             "",
         ]

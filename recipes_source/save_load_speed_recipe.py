@@ -566,8 +566,8 @@ ON = f"{LIMITS['total_bytes'] / 1e6:,.0f} MB on {MACHINE['cores']} cores, torch 
 speeds.best_table(HEADLINE, LIMITS, caption=ON)
 
 # %%
-# Each knob against the defaults (saves; the safetensors rows' loads too): it
-# bought something only where the difference is larger than either spread.
+# Each knob against the defaults (saves; the safetensors rows' loads too), round by
+# round: it bought something only where it beat the defaults of every round by over 10%.
 
 ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", "safetensors, streamed"))
 results.record("advice", ADVICE)

@@ -1297,7 +1297,7 @@ def test_checkpoints_checked_passes_real_loads_and_catches_a_load_that_did_nothi
         proofs.loads_match_saves("none", checked, "no loads watched")
 
 
-def test_group_median_range_and_verdict_cells(capsys):
+def test_group_median_range_and_paired_factors(capsys):
     runs = [
         {"option": "a", "round": 1, "GBps": 1.0},
         {"option": "b", "round": 1, "GBps": 2.0},
@@ -1311,16 +1311,22 @@ def test_group_median_range_and_verdict_cells(capsys):
     }
     assert stats.median([1.0, 3.0]) == stats.median(stats.summary([1.0, 3.0])) == 2.0
     assert stats.median_range([0.0012, 0.0010, 0.0015], ".1f", scale=1e3) == "1.2 (1.0-1.5)"
-    assert stats.verdict_cells([1.0, 1.1], [2.0, 2.1], "GB/s") == [
-        "faster",
-        "+1.00 GB/s, noise 0.10",
-    ]
-    assert stats.verdict_cells([2.0, 2.1], [1.0, 1.1], "GB/s")[0] == "slower"
-    assert stats.verdict_cells([1.0, 2.0], [1.5, 1.6], "GB/s")[0] == "within noise"
-    assert (
-        stats.verdict_cells([0.010, 0.011], [0.020, 0.021], "ms", 1e3, ("longer", "shorter"))[0]
-        == "longer"
-    )
+    # Paired, round by round: a change only where every round's factor is beyond 1.1.
+    assert stats.factor_cells([1.0, 1.1], [2.0, 2.1]) == ["faster", "x1.95 (x1.91-x2.00 by round)"]
+    assert stats.factor_cells([2.0, 2.1], [1.0, 1.1])[0] == "slower"
+    slow_minute = ([1.0, 2.0, 1.0], [1.2, 2.4, 1.25])  # round 2: the disk ran faster for both
+    assert stats.difference(*slow_minute)["within_noise"], "unpaired, the minute hides it"
+    assert stats.factor_cells(*slow_minute)[0] == "faster", "paired, it drops out"
+    assert stats.factor_cells([1.0, 1.0], [1.5, 1.05])[0] == "within noise", "one round: 5%"
+    assert stats.factor_cells([1.0, 1.0], [1.5, 0.8])[0] == "within noise", "both sides"
+    assert stats.paired_factor([1.0, 1.0], [1.09, 1.09])["change"] is None, "under 10%"
+    assert stats.paired_factor([1.0], [1.09], smallest=1.05)["change"] == "more"
+    planning = stats.factor_cells([0.010, 0.011], [0.005, 0.0055], ("longer", "shorter"))
+    assert planning == ["shorter", "x0.50 (x0.50-x0.50 by round)"]
+    with pytest.raises(ValueError):
+        stats.paired_factor([1.0, 2.0], [1.0])  # not one per round
+    with pytest.raises(ValueError):
+        stats.paired_factor([0.0], [1.0])
     stats.say("a very long name " * 4, [1.0, 1.1], "another long name " * 4, [5.0, 5.1], "GB/s")
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) > 1 and max(len(line) for line in printed) <= 88
@@ -1744,6 +1750,9 @@ def test_overhead_is_measured_against_the_runs_own_steps_not_a_run_minutes_away(
     assert stalls.overhead(blocking, baseline) == pytest.approx(1.5), "a blocking save: its stall"
     faster = {"stall_s": 0.0, "steps": [[0.1, True], [0.3, False]]}
     assert stalls.overhead(faster, baseline) == pytest.approx(-0.2), "noise is kept, signed"
+    # One quiet step a hiccup slowed does not move the reference (against their mean: 0).
+    hiccup = {"stall_s": 0.0, "steps": [[0.25, True]] + [[0.2, False]] * 3 + [[0.4, False]]}
+    assert stalls.overhead(hiccup, baseline) == pytest.approx(0.05), "the quiet steps' median"
 
 
 def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
@@ -1886,6 +1895,26 @@ def test_advice_gives_none_where_the_lead_is_noise():
     assert row[1].startswith("either: a and c within noise here; time both on your machine")
     (row,) = stalls.advice_table(found).rows
     assert row[1] == "a"
+
+
+def test_advice_ties_stalls_less_than_a_gil_turn_apart():
+    summary = {
+        "a": {"stall_per_checkpoint_s": stats.effect([0.0025, 0.0026, 0.0025])},
+        "b": {"stall_per_checkpoint_s": stats.effect([0.0040, 0.0045, 0.0038])},  # 1.5 ms more
+        "c": {"stall_per_checkpoint_s": stats.effect([0.015, 0.012, 0.014])},  # 9 ms more
+    }
+    stall = {"stall_per_checkpoint_s": "the pause matters"}
+    found = stalls.advice(summary, ["a", "b", "c"], stall)["stall_per_checkpoint_s"]
+    assert (found["best"], found["second"], found["choose"], found["tie"]) == (
+        "a",
+        "b",
+        None,
+        0.005,
+    )
+    found = stalls.advice(summary, ["a", "c"], stall)["stall_per_checkpoint_s"]
+    assert (found["second"], found["choose"]) == ("c", "a"), "more than a GIL turn apart"
+    exact = stalls.advice(summary, ["a", "b", "c"], stall, ties={})["stall_per_checkpoint_s"]
+    assert (exact["choose"], exact["tie"]) == ("a", 0.0), "below in every round: no tie asked"
 
 
 def test_the_benchmarks_checks_fail_where_they_should():

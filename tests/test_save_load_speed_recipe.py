@@ -254,22 +254,36 @@ def test_replicated_tensors_are_written_once_split_as_the_planner_chose(values):
     assert all(len(replicated["timed"][b]["save_GBps"]) == repeats for b in ("False", "True"))
 
 
-def test_the_advice_renders_each_knob_with_its_noise_verdict(values):
-    knobs = values["knobs"]
+def test_the_advice_compares_each_knob_with_the_defaults_of_its_own_round(values):
+    """A change only where every round's factor over that round's defaults is beyond 1.1
+    (as asv compare's default): faster, slower, else within noise."""
+    knobs, timed = values["knobs"], values["replicated"]["timed"]
     rows = {row[0]: row[1:] for row in values["advice"]}
-    compared = [(name, "save_GBps") for name in KNOBS[1:]]
-    compared += [(f"cold load, {name}", "cold_load_GBps") for name in LOADS]
-    for row, key in compared:
-        name = row.removeprefix("cold load, ")
-        a, b = knobs["defaults"][key], knobs[name][key]
-        effect = statistics.median(b) - statistics.median(a)
-        noise = max(max(a) - min(a), max(b) - min(b))
+    compared = [
+        (name, knobs["defaults"]["save_GBps"], knobs[name]["save_GBps"]) for name in KNOBS[1:]
+    ]
+    compared += [
+        (f"cold load, {name}", knobs["defaults"]["cold_load_GBps"], knobs[name]["cold_load_GBps"])
+        for name in LOADS
+    ]
+    planning = [knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True")]
+    compared += [("planning, with plan caching", *planning)]
+    compared += [
+        ("dedup_save_to_lowest_rank=True", timed["False"]["save_GBps"], timed["True"]["save_GBps"])
+    ]
+    assert sorted(rows) == sorted(row for row, _, _ in compared)
+    for row, a, b in compared:
+        assert len(a) == len(b) == values["machine"]["repeats"], row
+        factors = [y / x for x, y in zip(a, b, strict=True)]
+        more, less = ("longer", "shorter") if row.startswith("planning") else ("faster", "slower")
         word, numbers = rows[row]
-        assert word == (
-            "within noise" if abs(effect) <= noise else "faster" if effect > 0 else "slower"
-        )
-        assert numbers == f"{effect:+.2f} GB/s, noise {noise:.2f}"
-    assert "planning, with plan caching" in rows and "dedup_save_to_lowest_rank=True" in rows
+        if min(factors) > 1.1:
+            assert word == more, (row, factors)
+        elif max(factors) < 1 / 1.1:
+            assert word == less, (row, factors)
+        else:
+            assert word == "within noise", (row, factors)
+        assert numbers.startswith(f"x{statistics.median(factors):.2f} "), (row, numbers)
 
 
 def test_the_page_shows_tables_and_the_figure_in_its_column(values):

@@ -1,6 +1,6 @@
 """What the speed page decides from its rounds: the best durable save and the best cold load
 against the disk's limits (``headline``, ``best_table``), and what each knob bought against
-the defaults (``advice``), every comparison with its noise verdict (``stats.verdict_cells``).
+the defaults (``advice``), every comparison round by round (``stats.factor_cells``).
 
 ``knobs`` is the page's ``stats.group`` of its rounds: per knob, lists of ``save_GBps``,
 ``cold_load_GBps``, ``warm_load_GBps`` and planning seconds; ``limits``, ``disk.bandwidths``'s.
@@ -57,31 +57,28 @@ def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
 
 
 def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[list[Any]]:
-    """Rows of "against the defaults, verdict, difference": each knob's save GB/s; the cold
+    """Rows of "against the defaults, verdict, factor": each knob's save GB/s; the cold
     load GB/s of each knob in ``loads``; planning with plan caching; and the lowest rank
-    writing every replicated tensor (``replicated``: the page's replicated section)."""
+    writing every replicated tensor (``replicated``: the page's replicated section). Each
+    against the defaults of its own round (``stats.factor_cells``): a change only where
+    every round's factor is beyond ``stats.SMALLEST_FACTOR``."""
     defaults = knobs["defaults"]
     rows = [
-        [name, *stats.verdict_cells(defaults["save_GBps"], knob["save_GBps"], "GB/s")]
+        [name, *stats.factor_cells(defaults["save_GBps"], knob["save_GBps"])]
         for name, knob in list(knobs.items())[1:]
     ]
     rows += [
         [f"cold load, {name}"]
-        + stats.verdict_cells(defaults["cold_load_GBps"], knobs[name]["cold_load_GBps"], "GB/s")
+        + stats.factor_cells(defaults["cold_load_GBps"], knobs[name]["cold_load_GBps"])
         for name in loads
     ]
+    planning = (knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True"))
     rows.append(
-        ["planning, with plan caching"]
-        + stats.verdict_cells(
-            *(knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True")),
-            "ms",
-            scale=1e3,
-            words=("longer", "shorter"),
-        )
+        ["planning, with plan caching"] + stats.factor_cells(*planning, ("longer", "shorter"))
     )
     rows.append(
         ["dedup_save_to_lowest_rank=True"]
-        + stats.verdict_cells(*(replicated["timed"][b]["save_GBps"] for b in (False, True)), "GB/s")
+        + stats.factor_cells(*(replicated["timed"][b]["save_GBps"] for b in (False, True)))
     )
     return rows
 

@@ -18,7 +18,7 @@ interval, against the run without checkpoints of the same round and thread budge
 * *slow-down of steps that overlap a save*: their median over the median of the run's own
   steps that overlapped none (the baseline's, where every step overlapped one);
 * *total overhead*: the stall plus what the steps that overlapped a save took beyond the
-  run's own steps that overlapped none (their mean; the baseline's where every step
+  run's own steps that overlapped none (their median; the baseline's where every step
   overlapped one). A run is its own reference: between runs a minute apart the same step
   drifts by more (1.5x on an H200, 2x on 2 CPU cores) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
@@ -320,12 +320,15 @@ def _segment(run: dict, multiple: float) -> tuple[int, dict]:
 
 def overhead(segment: dict, baseline_segment: dict) -> float:
     """One rank's total overhead in a segment: its stall, plus what its steps that overlapped
-    a save took beyond a step without one: the mean of the segment's own steps that
+    a save took beyond a step without one: the median of the segment's own steps that
     overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
     interval). Steps after the save is durable are the reference, not steps of a run
-    minutes away, on a machine whose speed drifts more than a save costs."""
+    minutes away, on a machine whose speed drifts more than a save costs. The median, as
+    for ``overlapped_step_slowdown``: one quiet step that a hiccup of the machine slowed
+    would raise a mean of seven by a seventh of its delay, for each overlapped step (one
+    bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead read -0.02 s)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = statistics.mean(quiet or [t for t, _ in baseline_segment["steps"]])
+    reference = statistics.median(quiet or [t for t, _ in baseline_segment["steps"]])
     return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
 
 
@@ -546,12 +549,24 @@ CRITERIA = {
 }
 
 
-def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = CRITERIA) -> dict:
+# Per metric, how far apart two strategies' values must be, in every round, for one to
+# lead: stalls less than one GIL turn apart (Python's default ``sys.getswitchinterval()``,
+# 5 ms) tie. A thread that holds the GIL keeps the loop waiting that long before it lets
+# go, wherever the loop is; beside a step of a second, no job can tell them apart.
+TIES = {"stall_per_checkpoint_s": 0.005}
+
+
+def advice(
+    summary: dict,
+    strategies: Sequence[str],
+    criteria: dict[str, str] = CRITERIA,
+    ties: dict[str, float] = TIES,
+) -> dict:
     """Per criterion (metric: when it matters), the strategy with the lowest median, and
     whether it leads beyond noise: below every other strategy in every round (a round's runs
-    took turns on the same machine: ``stats.below_in_every_round``). ``second``: the
-    runner-up where it leads, else the strategy (lowest median first) that was at or below it
-    in some round."""
+    took turns on the same machine: ``stats.below_in_every_round``), by more than the
+    metric's ``ties`` where it has one. ``second``: the runner-up where it leads, else the
+    strategy (lowest median first) that was as low, or that close, in some round."""
     found = {}
     for metric, when in criteria.items():
         _, spec, unit, _ = METRICS[metric]
@@ -560,22 +575,27 @@ def advice(summary: dict, strategies: Sequence[str], criteria: dict[str, str] = 
         values = {name: summary[name][metric]["values"] for name in measured}
         if not rest:
             raise ValueError(f"{metric}: one strategy measured, {best}; no runner-up")
-        rivals = [n for n in rest if not stats.below_in_every_round(values[best], [values[n]])]
+        tie = ties.get(metric, 0.0)
+        ahead = [value + tie for value in values[best]]  # what another must stay above
+        rivals = [n for n in rest if not stats.below_in_every_round(ahead, [values[n]])]
         second = (rivals or rest)[0]
         medians = f"medians {_median(summary, best, metric):{spec}} and "
         medians += f"{_median(summary, second, metric):{spec}}{unit}"
-        rounds = len(values[best])
+        rounds, by = len(values[best]), f"{tie:.3g}{unit}"
         said = (
-            f"{best} is below every other in each of the {rounds} rounds ({medians})"
+            f"{best} is {f'more than {by} ' if tie else ''}below every other in each of the "
+            f"{rounds} rounds ({medians})"
             if not rivals
-            else f"{best} and {second} are within noise of each other: {second} was as low or "
-            f"lower in some of the {rounds} rounds ({medians})"
+            else f"{best} and {second} are within noise of each other: {second} was "
+            f"{f'within {by} of it, or lower,' if tie else 'as low or lower'} in some of the "
+            f"{rounds} rounds ({medians})"
         )
         found[metric] = {
             "when": when,
             "best": best,
             "second": second,
             "choose": None if rivals else best,
+            "tie": tie,
             "said": said,
         }
     return found

@@ -10,6 +10,10 @@ Durations that differ by factors (a stall of 3 ms beside one of 1.4 s) compare o
 ratio scale (``factor=True``): a factor between two medians that is smaller than the
 larger of their spreads as a factor (highest over lowest) is within noise. One slow
 round of the larger then cannot hide a hundredfold difference.
+
+Runs that took turns, one of each per round, compare round by round (``paired_factor``):
+a change only where every round's factor is beyond ``SMALLEST_FACTOR``. A minute in which
+the disk slows down slows the round's runs alike, and drops out of their factor.
 """
 
 from __future__ import annotations
@@ -148,19 +152,38 @@ def group(
     return groups
 
 
-def verdict_cells(
-    a: Sequence[float],
-    b: Sequence[float],
-    unit: str,
-    scale: float = 1.0,
-    words: tuple[str, str] = ("faster", "slower"),
-    spec: str = ".2f",
+# The least factor a paired comparison calls a change: as ``asv compare``'s default
+# (``--factor 1.1``), a difference under 10% is not reported as one.
+SMALLEST_FACTOR = 1.1
+
+
+def paired_factor(
+    a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR
+) -> dict:
+    """``b`` over ``a`` round by round (runs that took turns: a slow minute of the disk slows
+    the round's runs alike), positive measurements. ``change`` is "more" where every round's
+    factor is above ``smallest``, "less" where every round's is below ``1 / smallest``, else
+    None: within noise (the rounds' factors reach within ``smallest`` of 1, or fall on both
+    sides: the spread of the effect crosses zero, or comes that close). ``factor``: the
+    median of the rounds' factors."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired measurements come one per round, not {a} and {b}")
+    if min(*a, *b) <= 0:
+        raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
+    factors = [y / x for x, y in zip(a, b, strict=True)]
+    change = "more" if min(factors) > smallest else "less" if max(factors) < 1 / smallest else None
+    return {"factors": factors, "factor": statistics.median(factors), "change": change}
+
+
+def factor_cells(
+    a: Sequence[float], b: Sequence[float], words: tuple[str, str] = ("faster", "slower")
 ) -> list[str]:
-    """Two table cells comparing ``b`` with ``a``: the ``word`` of their ``difference`` (more,
-    less, or "within noise"), and "+0.12 GB/s, noise 0.05": the numbers it rests on."""
-    diff = difference(a, b)
-    numbers = f"{diff['effect'] * scale:+{spec}} {unit}, noise {diff['noise'] * scale:{spec}}"
-    return [word(diff, *words), numbers]
+    """Two table cells comparing ``b`` with ``a`` (``paired_factor``): its word (``words``
+    for more and less, or "within noise"), and "x1.33 (x1.18-x1.45 by round)"."""
+    found = paired_factor(a, b)
+    word = {"more": words[0], "less": words[1], None: "within noise"}[found["change"]]
+    low, high = min(found["factors"]), max(found["factors"])
+    return [word, f"x{found['factor']:.2f} (x{low:.2f}-x{high:.2f} by round)"]
 
 
 def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
