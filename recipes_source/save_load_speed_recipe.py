@@ -571,7 +571,7 @@ speeds.best_table(HEADLINE, LIMITS, caption=ON)
 
 ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", "safetensors, streamed"))
 results.record("advice", ADVICE)
-figures.Table(["against the defaults", "verdict", "difference"], ADVICE)
+figures.Table(["against the defaults", "verdict", "factor over the defaults"], ADVICE)
 
 # %%
 # Clean up
