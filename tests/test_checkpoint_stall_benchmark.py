@@ -403,7 +403,7 @@ def check_results(results: dict, ranks: int) -> dict:
     assert headline["training_threads"] == threads
 
     # Why steps slow down: each helper's rounds give its slow-down (an effect where the
-    # step beside it was slower than each step alone around it, in every round), its speed
+    # step beside it took over 1.1x each step alone around it, in every round), its speed
     # and the seconds the step lost per second beside it; the headline strategy, at its
     # medians' loss per second in the background, meets the overhead goal if on disk
     # within the time the page gives.
@@ -416,7 +416,7 @@ def check_results(results: dict, ranks: int) -> dict:
         assert alone == pytest.approx([(b + a) / 2 for b, a in zip(before, after, strict=True)])
         ratios = [b / a for a, b in zip(alone, beside, strict=True)]
         assert found["slowdown"]["values"] == pytest.approx(ratios)
-        slower = all(s > max(b, a) for s, b, a in zip(beside, before, after, strict=True))
+        slower = all(s > 1.1 * max(b, a) for s, b, a in zip(beside, before, after, strict=True))
         assert found["slowdown"]["within_noise"] == (not slower), kind
         speeds = [g / b for g, b in zip(gb, beside, strict=True)]
         assert found["gb_per_s"] == pytest.approx(statistics.median(speeds))
@@ -471,7 +471,9 @@ def test_the_build_proved_and_measured_what_the_page_says(build):
 
 def test_direct_io_writes_the_training_tensors_where_they_lie_with_no_copy(build):
     """make runs every page with THP_MEM_ALLOC_ENABLE=1: torch starts big tensors at a page,
-    and direct I/O overlap holds no copy of the state (DefaultStager overlap holds one)."""
+    and direct I/O overlap holds no copy of the state (DefaultStager overlap holds one).
+    Half a share tells one copy from none: a round's baseline peaks a few MB apart (at the
+    build's 31 MB share, DefaultStager's copy has read +28 MB)."""
     values = build["values"]
     assert values["config"]["big_tensors_start_at_a_page"]
     share_mb = values["limits"]["bytes_per_rank"] / 1e6
@@ -480,7 +482,7 @@ def test_direct_io_writes_the_training_tensors_where_they_lie_with_no_copy(build
         for n in ("DefaultStager overlap", "direct I/O overlap")
     }
     assert all(mb < share_mb / 2 for mb in extra["direct I/O overlap"]), (share_mb, extra)
-    assert all(mb > share_mb * 0.9 for mb in extra["DefaultStager overlap"]), (share_mb, extra)
+    assert all(mb > share_mb / 2 for mb in extra["DefaultStager overlap"]), (share_mb, extra)
 
 
 def test_the_page_shows_the_runs_the_results_file_holds(build):
