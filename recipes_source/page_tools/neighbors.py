@@ -228,8 +228,8 @@ def summarize(records: list[dict]) -> dict:
         slowdown = stats.effect([b / a for a, b in zip(alone, beside, strict=True)], 1.0)
         # A round's three steps ran seconds apart (a slow minute slows them alike): both
         # factors, beside over before and beside over after, stay beyond 1.1 in every
-        # round. Above zero alone, a helper that costs nothing passed by chance in 1 run of
-        # 27 (3 rounds), and one that cost 2% in some runs and not in others.
+        # round. With factors merely above 1, a helper that costs nothing passed by chance
+        # in 1 run of 27 (3 rounds), and one that cost 2% passed in some runs, not others.
         slower_than_both = all(
             stats.below_in_every_round(
                 [alone * stats.SMALLEST_FACTOR for alone in rounds[alone_s]], [beside]
