@@ -113,18 +113,27 @@ def covers(run: list[dict], multiple: float) -> bool:
     return multiple in run[0]["multiples"] or run[0]["strategy"] in ANY_INTERVAL
 
 
-def overhead_of(segment: dict, base: dict) -> float:
+def quiet_elsewhere(rank_run: dict, index: int, base: dict) -> list[float]:
+    """A rank's steps that overlapped no save in the run's other intervals, else every step
+    of its baseline: what an interval whose every step overlapped a save counts against."""
+    others = [s for i, s in enumerate(rank_run["segments"]) if i != index]
+    return [t for s in others for t, over in s["steps"] if not over] or [
+        t for t, _ in base["steps"]
+    ]
+
+
+def overhead_of(segment: dict, elsewhere: list[float]) -> float:
     """A rank's stall plus its overlapped steps' time beyond the median of its steps that
-    overlapped no save (of the baseline's steps, where every step overlapped one)."""
+    overlapped no save (of ``elsewhere``, where every step overlapped one)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = statistics.median(quiet or [t for t, _ in base["steps"]])
+    reference = statistics.median(quiet or elsewhere)
     overlapped = [t for t, over in segment["steps"] if over]
     return segment["stall_s"] + sum(overlapped) - reference * len(overlapped)
 
 
 def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     """A run's numbers at one interval: its segment for ``multiple`` on every rank, against
-    the run's own quiet steps (the baseline's where there are none). A
+    the run's own quiet steps (where there are none: its other intervals', else the baseline's). A
     run whose costs no interval changes ran at one interval only, which stands for every
     one."""
     assert covers(run, multiple)
@@ -133,7 +142,7 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     assert all(r["multiples"] == multiples for r in run)
     segments = [r["segments"][index] for r in run]
     base = [r["segments"][0] for r in baseline]
-    base_step_list = [t for s in base for t, _ in s["steps"]]
+    elsewhere = [quiet_elsewhere(r, index, b) for r, b in zip(run, base, strict=True)]
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
     saving = bool(run[0]["checkpoints"])
@@ -141,13 +150,11 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     found = {
         "stall_per_checkpoint_s": max(s["stall_s"] for s in segments) if saving else None,
         "overlapped_step_slowdown": (
-            statistics.median(overlapped) / statistics.median(quiet or base_step_list)
+            statistics.median(overlapped) / statistics.median(quiet or sum(elsewhere, []))
             if overlapped
             else None
         ),
-        "overhead_s": (
-            max(overhead_of(s, b) for s, b in zip(segments, base, strict=True)) if saving else 0.0
-        ),
+        "overhead_s": (max(map(overhead_of, segments, elsewhere)) if saving else 0.0),
         "extra_memory_mb": None
         if run[0]["memory_kept"]
         else round(

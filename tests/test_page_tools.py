@@ -1740,6 +1740,21 @@ def test_metrics_of_a_run_at_an_interval_against_its_rounds_baseline():
     assert stalls.metrics(all_along, baseline, 1)["overlapped_step_slowdown"] == pytest.approx(2.5)
 
 
+def test_an_interval_shorter_than_its_save_counts_against_the_runs_other_intervals():
+    """Every step of the 1x interval overlapped a save: its steps count against the quiet
+    steps of the same run's 2x interval (seconds away), not the baseline's (a run minutes
+    away, on a machine that has since slowed to half its speed)."""
+    baseline = [_run(0, 0.4, [[0.1, False]] * 4, 100, checkpoints=0)]
+    sweep = _run(0.01, 0.5, [[0.25, True], [0.2, False], [0.2, False]], 100, checkpoints=2)
+    sweep["segments"][1] = {**sweep["segments"][1], "steps": [[0.25, True], [0.25, True]]}
+    found = stalls.metrics([sweep], baseline, 1)
+    assert found["overhead_s"] == pytest.approx(0.01 + 2 * (0.25 - 0.2)), "not 0.31"
+    assert found["overlapped_step_slowdown"] == pytest.approx(0.25 / 0.2)
+    assert stalls.metrics([sweep], baseline, 2)["overhead_s"] == pytest.approx(0.01 + 0.05)
+    alone = _run(0.01, 0.5, [[0.25, True], [0.25, True]], 100, checkpoints=1)
+    assert stalls.metrics([alone], baseline, 2)["overhead_s"] == pytest.approx(0.31), "no other"
+
+
 def test_overhead_is_measured_against_the_runs_own_steps_not_a_run_minutes_away():
     baseline = {"stall_s": 0.0, "steps": [[0.1, False]] * 4}
     drifted = {"stall_s": 0.05, "steps": [[0.25, True], [0.2, False], [0.2, False]]}

@@ -16,11 +16,13 @@ interval, against the run without checkpoints of the same round and thread budge
 
 * *stall per checkpoint*: the slowest rank's wait;
 * *slow-down of steps that overlap a save*: their median over the median of the run's own
-  steps that overlapped none (the baseline's, where every step overlapped one);
+  steps that overlapped none (where every step of the interval overlapped one: those of the
+  run's other intervals, else the baseline's);
 * *total overhead*: the stall plus what the steps that overlapped a save took beyond the
-  run's own steps that overlapped none (their median; the baseline's where every step
-  overlapped one). A run is its own reference: between runs a minute apart the same step
-  drifts by more (1.5x on an H200, 2x on 2 CPU cores) than a background save costs it;
+  run's own steps that overlapped none (their median; where every step of the interval
+  overlapped one: those of the run's other intervals, else the baseline's). A run is its
+  own reference: between runs a minute apart the same step drifts by more (1.5x on an
+  H200, 2x on 2 CPU cores) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
 * *time until durable*, from the save call;
 * *seconds lost per second in the background*: the total overhead beyond the stall, over
@@ -322,8 +324,9 @@ def overhead(segment: dict, baseline_segment: dict) -> float:
     """One rank's total overhead in a segment: its stall, plus what its steps that overlapped
     a save took beyond a step without one: the median of the segment's own steps that
     overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
-    interval). Steps after the save is durable are the reference, not steps of a run
-    minutes away, on a machine whose speed drifts more than a save costs. The median, as
+    interval: ``reference_segment``). Steps after the save is durable are the reference,
+    not steps of a run minutes away, on a machine whose speed drifts more than a save
+    costs. The median, as
     for ``overlapped_step_slowdown``: one quiet step that a hiccup of the machine slowed
     would raise a mean of seven by a seventh of its delay, for each overlapped step (one
     bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead read -0.02 s)."""
@@ -341,22 +344,37 @@ def extra_memory_mb(run: list[dict], baseline: list[dict]) -> int:
     return round(peak)
 
 
+def reference_segment(rank_run: dict, segment: dict, baseline_segment: dict) -> dict:
+    """What ``overhead`` falls back on where every step of ``segment`` overlapped a save
+    (an interval shorter than the upload): the steps of the same run's other intervals that
+    overlapped none (seconds away, on the same rank), else ``baseline_segment``."""
+    quiet = [
+        [t, False]
+        for other in rank_run["segments"]
+        if other is not segment
+        for t, over in other["steps"]
+        if not over
+    ]
+    return {"steps": quiet} if quiet else baseline_segment
+
+
 def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str, float | None]:
     """One run's metrics at the interval ``multiple``, from every rank's numbers;
     ``baseline``: its round's run without checkpoints, same thread budget."""
     index, _ = _segment(run[0], multiple)
     segments = [_segment(r, multiple)[1] for r in run]
     base = [r["segments"][0] for r in baseline]
-    base_step = statistics.median(t for s in base for t, _ in s["steps"])
+    fallbacks = [reference_segment(*rsb) for rsb in zip(run, segments, base, strict=True)]
     steps_between = segments[0]["steps_between"]
     base_wall = max(s["wall_s"] for s in base) * (steps_between / base[0]["steps_between"])
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
-    reference_step = statistics.median(quiet) if quiet else base_step  # see ``overhead``
+    quiet = quiet or [t for s in fallbacks for t, _ in s["steps"]]  # see ``overhead``
+    reference_step = statistics.median(quiet)
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
     stall = max(s["stall_s"] for s in segments) if saving else None
-    total = max(overhead(s, b) for s, b in zip(segments, base, strict=True)) if saving else 0.0
+    total = max(map(overhead, segments, fallbacks)) if saving else 0.0
     durable = (
         max(r["saves"][index]["durable"] - r["saves"][index]["called"] for r in run)
         if saving
