@@ -326,10 +326,10 @@ def overhead(segment: dict, baseline_segment: dict) -> float:
     overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
     interval: ``reference_segment``). Steps after the save is durable are the reference,
     not steps of a run minutes away, on a machine whose speed drifts more than a save
-    costs. The median, as
-    for ``overlapped_step_slowdown``: one quiet step that a hiccup of the machine slowed
-    would raise a mean of seven by a seventh of its delay, for each overlapped step (one
-    bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead read -0.02 s)."""
+    costs. The median, as for ``overlapped_step_slowdown``: one quiet step that a hiccup of
+    the machine slowed would raise a mean of seven by a seventh of its delay, for each
+    overlapped step (one bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead
+    read -0.02 s)."""
     quiet = [t for t, over in segment["steps"] if not over]
     reference = statistics.median(quiet or [t for t, _ in baseline_segment["steps"]])
     return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
