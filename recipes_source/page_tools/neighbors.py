@@ -231,10 +231,7 @@ def summarize(records: list[dict]) -> dict:
         # round. With factors merely above 1, a helper that costs nothing passed by chance
         # in 1 run of 27 (3 rounds), and one that cost 2% passed in some runs, not others.
         slower_than_both = all(
-            stats.below_in_every_round(
-                [alone * stats.SMALLEST_FACTOR for alone in rounds[alone_s]], [beside]
-            )
-            for alone_s in SIDES
+            stats.paired_factor(rounds[alone_s], beside)["change"] == "more" for alone_s in SIDES
         )
         slowdown["within_noise"] = not slower_than_both
         found[kind] = {
