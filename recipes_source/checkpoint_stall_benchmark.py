@@ -530,9 +530,9 @@ stalls.goals_table(GOALS)
 # %%
 # Why steps slow down beside a save
 # ---------------------------------
-# Rank 0's step alone, then beside a helper on another core: a process that spins,
-# copies or writes, or a thread of its own that copies as a stager does, letting it run
-# or holding its GIL. What a second of each costs, beside the saves' (``stalls.COSTS``).
+# Rank 0's step alone, then beside a helper on another core, after a warm-up: a process
+# that spins, copies or writes, or a thread of its own that copies as a stager does,
+# letting it run or holding its GIL. What a second of each costs, beside the saves'.
 
 HELPERS_ON_RANK_0 = run_on_ranks(  # the model without FSDP: no collective
     neighbors.beside_helpers, ToyModel, train_step, (BATCH, WIDTH), THREADS, WORK_DIR, ROUNDS

@@ -3355,10 +3355,14 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
         neighbors, "_started", lambda *args: started.append(start(*args)) or started[-1]
     )
 
+    beside = []  # per step, the helper switched on beside it (None: alone)
+
     def step():
         # About 0.1 s of copies; then, beside a helper that moves memory, the step lasts
         # until that helper has moved a piece: a writer can wait longer than 0.1 s for
         # the disk (CI found one that moved nothing while the step ran), a bounded wait.
+        on = [n.kind for n in started if n.switch.is_set()]
+        beside.append(on[0] if on else None)
         moved = {n.kind: n.moved.value for n in started}
         for _ in range(20):
             target.copy_(source)
@@ -3369,6 +3373,11 @@ def test_neighbors_work_only_while_switched_on_and_leave_no_file(tmp_path, monke
                 target.copy_(source)
 
     records = neighbors.step_costs(step, str(tmp_path), rounds=2)
+    # A first step alone, then a warm-up: one step beside each helper; then the rounds.
+    turns = [kind for i, kind in enumerate(beside) if i == 0 or kind != beside[i - 1]]
+    assert turns[:7] == [None, *neighbors.HELPERS, None], turns
+    assert beside[1:6] == list(neighbors.HELPERS), beside  # one step each
+    assert turns[7:] == [*[kind for h in neighbors.HELPERS for kind in (h, None)]] * 2, turns
     assert [(r["round"], r["helper"]) for r in records] == [
         (n, kind) for n in range(2) for kind in neighbors.HELPERS
     ]

@@ -2,8 +2,10 @@
 
 A background save does its work beside training: it copies the state once (staging), then
 writes that copy and syncs it (the upload). ``step_costs`` times the page's own training
-step alone, then beside one helper at a time, in rounds. Three helpers are processes of
-their own: one that spins (CPU time, no memory traffic), one that copies memory, one that
+step alone, then beside one helper at a time, in rounds, after a warm-up: a step beside each
+helper (in each of 8 ``make bench`` runs without it, the writer's first round, into a new
+file, moved the fewest bytes per step, 0.31-0.81 of its most). Three helpers are processes
+of their own: one that spins (CPU time, no memory traffic), one that copies memory, one that
 writes a file and syncs it. Two are threads of the step's own process, which copy memory
 as a stager does: with ``Tensor.copy_``, which lets other threads run Python meanwhile,
 and with ``UntypedStorage.copy_`` (``DefaultStager``'s copy into its reused buffer), which
@@ -153,10 +155,11 @@ def _timed(step: Callable[[], object]) -> tuple[float, int]:
 
 
 def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[dict]:
-    """Per round: ``step`` alone, then beside each helper in turn, alone again after each
-    (a slow minute hits them all). Returns one record per round and helper: the step's
-    seconds beside it, just before and just after it alone, and their mean, and the GB the
-    helper moved per step beside it (each timing: steps for ``WINDOW_S`` at least)."""
+    """After a warm-up (a step beside each helper), per round: ``step`` alone, then beside
+    each helper in turn, alone again after each (a slow minute hits them all). Returns one
+    record per round and helper: the step's seconds beside it, just before and just after
+    it alone, and their mean, and the GB the helper moved per step beside it (each timing:
+    steps for ``WINDOW_S`` at least)."""
     context = multiprocessing.get_context("spawn")  # a clean process: no copy of the model
     neighbors, records = [], []
     try:
@@ -165,6 +168,12 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
         for neighbor in neighbors:
             neighbor.awaited(neighbor.resting)
         step()  # a first step (allocations) belongs to no round
+        for neighbor in neighbors:  # a warm-up: each helper's first pass belongs to none
+            neighbor.switch.set()  # (the writer's: into a new file, at the lowest speed)
+            neighbor.awaited(neighbor.working)
+            step()
+            neighbor.switch.clear()
+            neighbor.awaited(neighbor.resting)
         for number in range(rounds):
             before, _ = _timed(step)
             for neighbor in neighbors:
