@@ -18,6 +18,7 @@ per second their saves ran in the background.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import multiprocessing
@@ -25,7 +26,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from page_tools import stats
@@ -132,6 +133,15 @@ class _Neighbor:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{helper} did not answer in {WAIT_S} s")
 
+    @contextlib.contextmanager
+    def switched_on(self) -> Iterator[None]:
+        """The helper works while the block runs, and rests (a writer: synced) after it."""
+        self.switch.set()
+        self.awaited(self.working)
+        yield
+        self.switch.clear()
+        self.awaited(self.resting)
+
 
 def _started(context: Any, kind: str, directory: str) -> _Neighbor:
     switch, working, resting, stop = (context.Event() for _ in range(4))
@@ -169,21 +179,15 @@ def step_costs(step: Callable[[], object], directory: str, rounds: int) -> list[
             neighbor.awaited(neighbor.resting)
         step()  # a first step (allocations) belongs to no round
         for neighbor in neighbors:  # a warm-up: each helper's first pass belongs to none
-            neighbor.switch.set()  # (the writer's: into a new file, at the lowest speed)
-            neighbor.awaited(neighbor.working)
-            step()
-            neighbor.switch.clear()
-            neighbor.awaited(neighbor.resting)
+            with neighbor.switched_on():  # (the writer's: into a new file, at its lowest speed)
+                step()
         for number in range(rounds):
             before, _ = _timed(step)
             for neighbor in neighbors:
                 moved = neighbor.moved.value
-                neighbor.switch.set()
-                neighbor.awaited(neighbor.working)
-                beside, steps = _timed(step)
-                gb = (neighbor.moved.value - moved) / 1e9 / steps  # per step
-                neighbor.switch.clear()
-                neighbor.awaited(neighbor.resting)
+                with neighbor.switched_on():
+                    beside, steps = _timed(step)
+                    gb = (neighbor.moved.value - moved) / 1e9 / steps  # per step
                 after, _ = _timed(step)  # alone again: the mean of the two takes out a drift
                 record = {"round": number, "helper": neighbor.kind, "alone_s": (before + after) / 2}
                 record.update(before_s=before, after_s=after)
