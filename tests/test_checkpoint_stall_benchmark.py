@@ -409,8 +409,8 @@ def check_results(results: dict, ranks: int) -> dict:
     assert (headline["stall_goal"], headline["overhead_goal"]) == (0.02, 0.05)
     assert headline["training_threads"] == threads
 
-    # Why steps slow down: each helper's rounds give its slow-down (an effect where the
-    # step beside it took over 1.1x each step alone around it, in every round), its speed
+    # Why steps slow down: each helper's rounds give its slow-down (it holds the step back
+    # where the step beside it took over 2x each step alone around it, in every round), its speed
     # and the seconds the step lost per second beside it; the headline strategy, at its
     # medians' loss per second in the background, meets the overhead goal if on disk
     # within the time the page gives.
@@ -423,8 +423,8 @@ def check_results(results: dict, ranks: int) -> dict:
         assert alone == pytest.approx([(b + a) / 2 for b, a in zip(before, after, strict=True)])
         ratios = [b / a for a, b in zip(alone, beside, strict=True)]
         assert found["slowdown"]["values"] == pytest.approx(ratios)
-        slower = all(s > 1.1 * max(b, a) for s, b, a in zip(beside, before, after, strict=True))
-        assert found["slowdown"]["within_noise"] == (not slower), kind
+        held = all(s > 2 * max(b, a) for s, b, a in zip(beside, before, after, strict=True))
+        assert found["holds_back"] == held, kind
         speeds = [g / b for g, b in zip(gb, beside, strict=True)]
         assert found["gb_per_s"] == pytest.approx(statistics.median(speeds))
         assert (gb == [0] * len(gb)) == (kind == "spin"), (kind, gb)

@@ -46,6 +46,7 @@ CHUNK = 4 << 20  # what it moves between two looks at its switch (and counts)
 FILE_BYTES = 256 << 20  # the writer's file: rewritten in place, synced once per pass
 WAIT_S = 120  # a helper that does not answer in this time has failed
 WINDOW_S = 0.25  # the least a timing lasts: a short step repeats (a helper moves a chunk)
+HOLDS_BACK = 2.0  # a step beside the helper, over each alone around it: it lost over half
 
 
 def _mover(kind: str, path: str) -> tuple[Callable[[int], int], int | None]:
@@ -232,24 +233,26 @@ def summarize(records: list[dict]) -> dict:
     """Per helper: the step's time beside it over the same round's step alone (the mean of
     the steps just before and after), the GB it moved per second, and the seconds the step
     lost per second beside it (medians over rounds); with the rounds' own numbers. The
-    helper slows the step (beyond noise) where, in every round, the step beside it took
-    over ``stats.SMALLEST_FACTOR`` (1.1) times *each* of the two steps alone around it."""
+    helper ``holds_back`` the step where, in every round, the step beside it took over
+    ``HOLDS_BACK`` (2) times *each* of the two steps alone around it: it lost over half its
+    time beside the helper. A smaller factor is shown, not judged (see below)."""
     found = {}
     for kind, rounds in stats.group(records, "helper").items():
         alone, beside, gb = rounds["alone_s"], rounds["beside_s"], rounds["gb_moved"]
         lost = [(b - a) / b for a, b in zip(alone, beside, strict=True)]
-        slowdown = stats.effect([b / a for a, b in zip(alone, beside, strict=True)], 1.0)
         # A round's three steps ran seconds apart (a slow minute slows them alike): both
-        # factors, beside over before and beside over after, stay beyond 1.1 in every
-        # round. With factors merely above 1, a helper that costs nothing passed by chance
-        # in 1 run of 27 (3 rounds), and one that cost 2% passed in some runs, not others.
-        slower_than_both = all(
-            stats.paired_factor(rounds[alone_s], beside)["change"] == "more" for alone_s in SIDES
+        # factors, beside over before and beside over after, stay beyond 2 in every round.
+        # Smaller factors changed from run to run with the host, not the helper: in 14
+        # make bench runs, the copying process's median read 1.03-1.31x, and a rule at
+        # 1.1x called it an effect in 6 of them; the spinning one's rounds read up to 1.27x.
+        holds_back = all(
+            stats.paired_factor(rounds[side], beside, HOLDS_BACK)["change"] == "more"
+            for side in SIDES
         )
-        slowdown["within_noise"] = not slower_than_both
         found[kind] = {
             "what": HELPERS[kind],
-            "slowdown": slowdown,
+            "slowdown": stats.summary([b / a for a, b in zip(alone, beside, strict=True)]),
+            "holds_back": holds_back,
             "gb_per_s": statistics.median(g / b for g, b in zip(gb, beside, strict=True)),
             "lost_per_s_beside": statistics.median(lost),
             "rounds": {key: rounds[key] for key in ("alone_s", *SIDES, "beside_s", "gb_moved")},
@@ -258,22 +261,22 @@ def summarize(records: list[dict]) -> dict:
 
 
 def table(found: dict):
-    """Each helper's slow-down of the step, the speed it moved memory at, and the seconds
-    the step lost per second beside it."""
+    """Each helper's slow-down of the step, whether it holds the step back, the speed it
+    moved memory at, and the seconds the step lost per second beside it."""
     from page_tools import figures
 
     rows = [
         [
             f"{kind}: {entry['what']}",
             stats.shown_entry(entry["slowdown"], ".3g", "x"),
+            "yes" if entry["holds_back"] else "no",
             round(entry["gb_per_s"], 2),
             round(entry["lost_per_s_beside"], 3),
         ]
         for kind, entry in found.items()
     ]
-    columns = ["the helper on another core", "step beside it / alone", "GB/s", "s lost / s"]
-    caption = "medians over rounds [lowest .. highest]; an effect where the step beside the "
-    caption += (
-        f"helper took over {stats.SMALLEST_FACTOR}x each step alone around it, in every round"
-    )
-    return figures.Table(columns, rows, caption)
+    columns = ["the helper on another core", "step beside it / alone", "holds it back"]
+    caption = "medians over rounds [lowest .. highest]; a helper holds the step back where the "
+    caption += f"step beside it took over {HOLDS_BACK:g}x each step alone around it, in every "
+    caption += "round; a smaller factor reads best beside the spinning helper's: it moves no memory"
+    return figures.Table([*columns, "GB/s", "s lost / s"], rows, caption)
