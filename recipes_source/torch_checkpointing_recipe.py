@@ -178,16 +178,14 @@ class DCPCheckpointer:
 # ``state_dict()``: each rank saves its shards as they are and loads them back
 # into the same layout. Its ``save`` stages into host memory in the background
 # and hands the copy to a writer process; ``lock()`` holds the optimizer step
-# until staging is done. Two settings make it run on a CPU host:
+# until staging is done. On a CPU host:
 #
-# * pinned memory and non-blocking copies only with CUDA: the configuration its
-#   `troubleshooting guide
-#   <https://github.com/meta-pytorch/torch_checkpointing/blob/main/docs/troubleshooting.md>`__
-#   gives for CPU-only hosts;
-# * ``use_direct_io=False``: the file system backend opens every file with
-#   ``O_DIRECT``; ext4 accepts that open, then fails the unaligned writes of a
-#   ``torch.save`` file with ``OSError: [Errno 22] Invalid argument``
-#   (measured below).
+# * ``use_direct_io=False``, needed: the file system backend opens every file
+#   with ``O_DIRECT``; ext4 accepts that open, then fails the unaligned writes of
+#   a ``torch.save`` file with ``OSError: [Errno 22] Invalid argument`` (below);
+# * pinned memory and non-blocking copies only with CUDA, as its `troubleshooting
+#   guide <https://github.com/meta-pytorch/torch_checkpointing/blob/main/docs/troubleshooting.md>`__
+#   gives for CPU-only hosts (0.1.1's defaults already do; stated, for any version).
 
 
 # Its writer process unpickles the state's DTensors where the job's process groups do not
@@ -253,7 +251,9 @@ CHECKPOINTERS = {"DCP": DCPCheckpointer, "torch_checkpointing": TorchCheckpointi
 # One loop for both: start from the newest complete checkpoint if there is
 # one, train, save every ``SAVE_EVERY`` steps, and wait for the last save
 # before returning. Each step's loss comes back, and what each save stalled
-# the loop: the time in the save call, and the next step's wait in ``lock()``.
+# the loop: the time in the save call, and the next step's wait in ``lock()``
+# (after the last save, a wait in ``lock()`` before the loop returns: every
+# save's staging counts, as DCP's does in its call).
 
 SAVE_EVERY = 2
 
@@ -288,6 +288,10 @@ def train(checkpointer, directory, until_step):
             began = time.perf_counter()
             checkpointer.save(f"{directory}/step-{step:04d}", model, optimizer, step)
             waited.append(time.perf_counter() - began)
+    if waited and step % SAVE_EVERY == 0:  # the last step saved: no next step waits for it
+        began = time.perf_counter()
+        with checkpointer.lock():
+            waited[-1] += time.perf_counter() - began
     checkpointer.wait()
     return {"resumed_from": newest and os.path.basename(newest), "losses": losses, "waited": waited}
 
@@ -518,10 +522,13 @@ results.record("verdict", VERDICT)
 #   (:ref:`sphx_glr_recipes_partial_load_recipe.py`,
 #   :ref:`sphx_glr_recipes_change_parallelism_recipe.py`), written to object
 #   storage, or read by torchtitan and Hugging Face tools: its ``.metadata``
-#   makes that possible, and it ships with PyTorch.
+#   makes that possible on any backend, and it ships with PyTorch.
 # * **torch_checkpointing** when the job always resumes in the layout it saved
 #   from and one object for save, load and the optimizer-step lock is what you
-#   want, or on GPUs, where its resharder runs (above, what it did here).
+#   want. On GPUs it can also load into another layout and export Hugging Face
+#   safetensors (``torch_checkpointing.hf.consolidate_hf_safetensors_checkpoint``):
+#   both need the global metadata its resharder gathers, which 0.1.1 gathers in
+#   CUDA tensors (above, what a save with it did here).
 # * torch_checkpointing 0.1.1 never calls ``fsync``: its save is done once the
 #   bytes are in the page cache, and a machine that crashes then loses them.
 #   Sync its files yourself (rank 0's save returns after the rename that
@@ -540,14 +547,18 @@ results.record("verdict", VERDICT)
 # ``run_on_ranks`` did above: set this rank's device, create the process
 # group, train with the checkpointer you chose, and destroy the group. A
 # second launch in the same directory resumes. Save it as ``train.py`` with
-# the functions above, and:
+# the functions above and an entry point that only runs as the main script:
+# torch_checkpointing starts its writer process with ``spawn``, which imports
+# ``train.py`` again.
+#
+# .. code-block:: python
+#
+#    if __name__ == "__main__":
+#        main(sys.argv[1])  # a directory every rank sees
 #
 # .. code-block:: bash
 #
-#    torchrun --nproc-per-node=2 train.py
-#
-# torch_checkpointing starts its writer process with ``spawn``, which imports
-# ``train.py`` again: keep the launch under ``if __name__ == "__main__":``.
+#    torchrun --nproc-per-node=2 train.py checkpoints
 
 
 def main(checkpoint_dir, library="torch_checkpointing"):
