@@ -192,9 +192,9 @@ class DurableCheckpointManager(CheckpointManager):
 
 
 def synced(write, directory):
-    """Rank 0, once its write is done (every rank's files, renamed): fsync files and dirs."""
+    """Once the write is done (every rank's files, renamed): fsync files and dirs."""
     write.result()
-    if dist.get_rank() != 0:  # one machine: rank 0 syncs every rank's files
+    if int(os.environ.get("LOCAL_RANK", dist.get_rank())) != 0:  # each machine's first rank
         return
     for name in [*os.listdir(directory), ".", ".."]:  # the files, the directory, its parent
         fd = os.open(os.path.join(directory, name), os.O_RDONLY)
@@ -374,8 +374,8 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
 # %%
 # Thread budget, and memory a step frees
 # --------------------------------------
-# A background writer needs CPU time while training runs: ``torch.set_num_threads``
-# leaves a core per rank to it (forked ranks: one thread; ``torchrun``: a knob too).
+# A background writer needs CPU time while training runs: training's ``set_num_threads``
+# leaves it the other cores, if any (the table counts them; under ``torchrun``, a knob too).
 # Each rank keeps the blocks glibc's ``malloc`` would hand back (FSDP's all-gathers, to
 # fault in at every step). A save's call waits for the GIL at each thread it starts:
 # turns of 0.5 ms instead of Python's 5 while the call runs, and 5 again for the steps.
@@ -508,16 +508,16 @@ stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 # %%
 # Each strategy against dcp.save
 # ------------------------------
-# A stall reads best as a multiple of one memory copy of a rank's share (staging
-# in the foreground costs about one). What share of ``dcp.save``'s cost is left?
+# A stall reads best as a multiple of one memory copy of a rank's share (foreground
+# staging copies it all: one copy is its floor). What share of ``dcp.save``'s cost is left?
 
 RATIOS = results.record("ratios", stalls.ratios(SUMMARY, STRATEGIES[1:], LIMITS["copy_s"]))
 stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
 # %%
-# The goals at ``make bench`` size (1 GB), for the strategy recommended: the least total
-# overhead of those that stage in the background. A stall of at most 0.02x ``dcp.save``'s
-# median, an overhead of at most 0.05x: met where every round is below, not where all are.
+# The goals, set for ``make bench`` (1 GB), judged on this page's rounds for the least total
+# overhead of the background stagers: stall at most 0.02x ``dcp.save``'s median, overhead at
+# most 0.05x; met where every round is below, not met where all are above, else undecided.
 
 BEST = min(STRATEGIES[3:], key=lambda name: SUMMARY[name]["overhead_s"]["median"])
 GOALS = stalls.goals_of(SUMMARY, [BEST], stall_per_checkpoint_s=0.02, overhead_s=0.05)

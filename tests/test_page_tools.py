@@ -1809,6 +1809,9 @@ def test_sweep_puts_each_interval_against_dcp_saves_time():
     assert entry["stall_per_checkpoint_s"]["median"] == pytest.approx(0.015)
     (row, _) = stalls.sweep_table(found).rows
     assert row[:4] == ["overlap", "2x: 2 steps", 4.0, 10.0]
+    assert stalls.shared_intervals(found) == [("overlap", 2, ["2", "1"])], "one run, two names"
+    found["overlap"]["2"] = {**found["overlap"]["2"], "steps_between": 4}
+    assert stalls.shared_intervals(found) == [], "4 steps and 2: two intervals"
 
 
 def test_runs_at_one_interval_stand_for_every_interval_only_where_none_changes_their_costs():

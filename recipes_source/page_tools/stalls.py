@@ -72,7 +72,6 @@ COSTS = [
     "overhead_s",
     "lost_per_background_s",
     "extra_memory_mb",
-    "wall_s",
 ]
 
 
@@ -271,7 +270,7 @@ def claim_same_losses(name: str, collected: dict) -> None:
     results.claim(
         name,
         held,
-        "every run computes the losses of the run without checkpoints, step by step, bit for bit",
+        "at every step, every run that reached it computes the same loss, bit for bit",
         **evidence,
     )
 
@@ -917,7 +916,27 @@ def sweep_table(found: dict) -> figures.Table:
     ]
     columns = ["strategy", "interval", "over dcp.save's", "over its upload", "stall"]
     columns.append("total overhead")
-    return figures.Table(columns, rows, caption="medians over the rounds [lowest .. highest]")
+    caption = "medians over the rounds [lowest .. highest]"
+    for name, steps, multiples in shared_intervals(found):
+        caption += (
+            f"; {name}'s {_listed([f'{m}x' for m in multiples])} are one interval here,"
+            f" {steps} step{'s' * (steps != 1)}: the fewest steps that last each"
+        )
+    return figures.Table(columns, rows, caption=caption)
+
+
+def _listed(words: Sequence[str]) -> str:
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
+
+
+def shared_intervals(found: dict) -> list[tuple[str, int, list[str]]]:
+    """The swept multiples that came to the same number of steps (a step that outlasts the
+    shorter intervals: at a page's small size, say), per strategy: (name, steps, multiples)."""
+    by_steps: dict[tuple[str, int], list[str]] = {}
+    for name, intervals in found.items():
+        for multiple, entry in intervals.items():
+            by_steps.setdefault((name, entry["steps_between"]), []).append(multiple)
+    return [(name, steps, ms) for (name, steps), ms in by_steps.items() if len(ms) > 1]
 
 
 def sweep_figure(found: dict, found_limits: dict, what: str):
