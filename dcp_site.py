@@ -182,9 +182,9 @@ def stamp_block(stamp: dict) -> str:
 NOT_RUN_BLOCK = (
     ".. admonition:: Not executed in this build\n"
     "   :class: dcp-run-stamp dcp-not-run\n\n"
-    "   This page was rendered without running its code (``make html-noplot`` or a\n"
-    "   ``GALLERY_PATTERN`` that leaves it out), so it shows no output. ``make html``\n"
-    "   executes it.\n"
+    "   This build did not run this page's code (``make html-noplot``, or a\n"
+    "   ``GALLERY_PATTERN`` that leaves it out): any output below is an earlier build's,\n"
+    "   on the machine and at the size that build used. ``make html`` executes it.\n"
 )
 
 

@@ -460,7 +460,8 @@ figures.measured(
 # ``enable_plan_caching=True`` row, per rank (cProfile): ``torch.load`` reading
 # the bytes into new tensors, ``copy_`` into the model's, the rest (planning,
 # unpickling). The in-place reader (the loads of the "safetensors, streamed" row)
-# reads straight into the model's tensors, and skips the copy.
+# reads straight into the model's tensors, and skips the copy (what that buys: its
+# cold loads against the defaults', at the end).
 
 results.record("load_phases", profiled.by_rank)
 reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
@@ -489,7 +490,8 @@ speeds.save_beside_probe_table(BESIDE_PROBE)
 # host's pace: a write into memory freed a moment before (the last checkpoint's pages,
 # just removed) fills fast, one into memory that stayed free, slowly, and a limit or a
 # save measured just after the other kind of moment is off by that much. Each rank
-# fills a file's worth of page cache both ways, in turns; no byte reaches the disk.
+# fills a file of its share of page cache, or more (the table gives the size: a small
+# file may find none of its memory taken back), both ways, in turns; no byte reaches disk.
 # What removes it is the machine's, not DCP's: a VM that keeps its freed memory.
 
 FILL_RUNS = run_on_ranks(

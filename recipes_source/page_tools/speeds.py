@@ -20,9 +20,21 @@ def best(knobs: dict, key: str, leave_out: Sequence[str] = ()) -> str:
     return max((n for n in knobs if n not in leave_out), key=lambda n: stats.median(knobs[n][key]))
 
 
+def within_noise_of(knobs: dict, key: str, top: str, leave_out: Sequence[str] = ()) -> list[str]:
+    """The other knobs that ``top`` does not beat (``stats.paired_factor``: by over 1.1x in
+    every round) in ``key``: a best among equals."""
+    return [
+        name
+        for name in knobs
+        if name not in (top, *leave_out)
+        and stats.paired_factor(knobs[name][key], knobs[top][key])["change"] != "more"
+    ]
+
+
 def headline(knobs: dict, limits: dict, not_durable: Sequence[str]) -> dict:
     """The best durable save and the best cold load, in GB/s and as fractions of the write +
-    fsync and read-from-storage limits, and which knob each is."""
+    fsync and read-from-storage limits, which knob each is, and the knobs within noise of
+    each."""
     save, load = best(knobs, "save_GBps", not_durable), best(knobs, "cold_load_GBps")
     save_gbps = stats.median(knobs[save]["save_GBps"])
     load_gbps = stats.median(knobs[load]["cold_load_GBps"])
@@ -30,19 +42,26 @@ def headline(knobs: dict, limits: dict, not_durable: Sequence[str]) -> dict:
         "best_save": save,
         "best_save_GBps": save_gbps,
         "best_save_of_limit": save_gbps / limits["limit"]["write_fsync"],
+        "best_save_ties": within_noise_of(knobs, "save_GBps", save, not_durable),
         "best_load": load,
         "best_load_GBps": load_gbps,
         "best_load_of_limit": load_gbps / limits["limit"]["read_storage"],
+        "best_load_ties": within_noise_of(knobs, "cold_load_GBps", load),
     }
+
+
+def _tied(names: Sequence[str]) -> str:
+    return f" (within noise: {', '.join(names)})" if names else ""
 
 
 def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
     """``headline``'s numbers as a table, with what one writer and one reader thread of
     ``FileSystemWriter`` / ``FileSystemReader`` can reach at most (``disk.one_thread``)."""
     rows = [
-        ["best save", found["best_save"], f"{found['best_save_GBps']:.2f} GB/s"]
+        ["best save", found["best_save"] + _tied(found["best_save_ties"])]
+        + [f"{found['best_save_GBps']:.2f} GB/s"]
         + [f"{found['best_save_of_limit']:.2f} of write + fsync"],
-        ["best cold load", f"checkpoint of {found['best_load']}"]
+        ["best cold load", f"checkpoint of {found['best_load']}" + _tied(found["best_load_ties"])]
         + [f"{found['best_load_GBps']:.2f} GB/s"]
         + [f"{found['best_load_of_limit']:.2f} of read from storage"],
         ["one FileSystemWriter thread", "serializes, then writes"]
@@ -74,7 +93,8 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     ]
     planning = (knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True"))
     rows.append(
-        ["planning, with plan caching"] + stats.factor_cells(*planning, ("longer", "shorter"))
+        ["planning seconds, with plan caching"]
+        + stats.factor_cells(*planning, ("longer", "shorter"))
     )
     rows.append(
         ["dedup_save_to_lowest_rank=True"]
