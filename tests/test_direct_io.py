@@ -270,8 +270,9 @@ def test_with_thp_mem_alloc_enable_torch_starts_every_big_tensor_at_a_page():
     # The stall page's own check, in a process that reads the variable at its first allocation.
     check = "from page_tools import stalls; print(stalls.big_tensors_start_at_a_page(8))"
     recipes = os.path.dirname(direct_io.__file__)
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": recipes}
-    ran = subprocess.run(
-        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert ran.stdout.strip() == "True", ran.stderr
+    for setting, starts_at_a_page in (("1", "True"), ("0", "False")):  # and the check can fail
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": setting, "PYTHONPATH": recipes}
+        ran = subprocess.run(
+            [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert ran.stdout.strip() == starts_at_a_page, (setting, ran.stderr)

@@ -3525,3 +3525,14 @@ def test_a_knob_beyond_its_limit_by_more_than_noise_is_named_and_within_noise_is
         ("cached", "warm_load_GBps"),
     ]
     assert beyond[0]["limit"] == 1.45 and beyond[0]["noise"] == pytest.approx(0.2)
+
+
+def test_costs_table_says_which_runs_peak_memory_cannot_see():
+    summary = {
+        "process writer": {"extra_memory_mb": stats.summary([32.0, 32.0])},
+        "torch_checkpointing": {"extra_memory_mb": None},
+    }
+    table = stalls.summary_table(summary, list(summary), ["extra_memory_mb"])
+    assert [row[1] for row in table.rows] == ["+32 MB [+32 .. +32]", "-"]
+    assert "torch_checkpointing keeps its buffers" in table.caption
+    assert "process writer keeps" not in table.caption

@@ -661,7 +661,16 @@ def summary_table(
         for name in names
     ]
     rounds = next(e["n"] for e in summary[names[0]].values() if e)
-    return figures.Table(columns, rows, caption=f"medians over {rounds} rounds [lowest .. highest]")
+    caption = f"medians over {rounds} rounds [lowest .. highest]"
+    if "extra_memory_mb" in metrics_shown:  # what a run's own peak cannot hold
+        kept = [name for name in names if summary[name]["extra_memory_mb"] is None]
+        caption += (
+            "; peak memory: a writer process that lives for the job, started in the warm-up"
+            " (DCP's checkpoint process, torch_checkpointing's), is in the first checkpoints'"
+            " table"
+            + "".join(f"; -: {name} keeps its buffers from the run before" for name in kept)
+        )
+    return figures.Table(columns, rows, caption=caption)
 
 
 def ratios_table(found: dict, copy_seconds: float) -> figures.Table:
@@ -799,6 +808,9 @@ def config(
     checkpoints the warm-up round chose, per multiple of a save's time), and where it ran."""
     from rank_launcher import under_torchrun
 
+    aligned = big_tensors_start_at_a_page()
+    if not aligned:  # the page's numbers for it are then a copy's: say so where they print
+        print(figures.wrap(UNALIGNED))
     intervals = {}
     for rounds_of_run in collected["runs"].values():
         run = rounds_of_run[0][0]  # round 1, rank 0: every round and rank ran the same steps
@@ -813,8 +825,15 @@ def config(
         "world_size": len(per_rank),
         "launcher": "torchrun" if under_torchrun() else "fork",
         "accelerator": torch.accelerator.is_available(),
-        "big_tensors_start_at_a_page": big_tensors_start_at_a_page(),
+        "big_tensors_start_at_a_page": aligned,
     }
+
+
+UNALIGNED = (
+    "THP_MEM_ALLOC_ENABLE is not 1 in this process: big tensors do not start at a page, so"
+    " direct I/O overlap copies every one through its small aligned buffer (set it before"
+    " Python starts, as the Makefile does)"
+)
 
 
 def big_tensors_start_at_a_page(tries: int = 4) -> bool:
