@@ -52,6 +52,9 @@ sphinx_gallery_conf = {
     "gallery_dirs": "recipes",
     # Execute every recipe; GALLERY_PATTERN=<regex> narrows it (the rest still render).
     "filename_pattern": os.environ.get("GALLERY_PATTERN", r"/recipes_source/"),
+    # A pattern asks for its recipes to run, unchanged ones too: their output also depends
+    # on page_tools, which Sphinx-Gallery's MD5 check of the recipe's own source cannot see.
+    "run_stale_examples": "GALLERY_PATTERN" in os.environ,
     # The launcher is the gallery's scaffolding, not a recipe.
     "ignore_pattern": r"rank_launcher\.py|direct_io\.py|__init__\.py|/page_tools/",
     "within_subsection_order": "dcp_site.RecipeOrder",
