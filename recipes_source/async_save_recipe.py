@@ -171,9 +171,9 @@ results.claim(
 #
 # ``dcp.save`` runs all of it while the loop waits; ``async_save`` runs the first two and
 # hands phase 3 to a background thread. Below, one statement per phase, staging with a
-# :class:`~torch.distributed.checkpoint.staging.DefaultStager` (what ``async_save`` uses
-# when given no stager, with every option off). Every stager on this page copies in the
-# calling thread; the next recipe overlaps the copy with training.
+# :class:`~torch.distributed.checkpoint.staging.DefaultStager` (what ``async_save`` uses,
+# every option off, given no stager and no writer that is one: ``FileSystemWriter`` is).
+# Every stager on this page copies in the calling thread; the next recipe overlaps it.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager`` and ``StagingOptions``.
@@ -556,14 +556,14 @@ for index, watched in enumerate([plain_state, one_state, in_state]):
 # %%
 # The same, as a training script for ``torchrun``
 # -----------------------------------------------
-# ``torchrun`` starts the ranks, and ``main()`` does what ``run_on_ranks`` did:
-# set the device, create the group, train, resume, destroy the group. The root
-# is a path every rank sees (``shared_tempdir`` here; across machines, a shared
-# file system). Save it as ``train.py`` with the functions above, and run
+# ``torchrun`` starts the ranks, and ``main()`` does what ``run_on_ranks`` did: set the
+# device, create the group, train, resume, destroy the group. The root is a path every
+# rank sees (``shared_tempdir`` here; across machines, a shared file system). Save it as
+# ``train.py`` with the functions above and ``if __name__ == "__main__": main(sys.argv[1])``:
 #
 # .. code-block:: bash
 #
-#    torchrun --nproc-per-node=2 train.py
+#    torchrun --nproc-per-node=2 train.py /shared/checkpoints
 #
 # The cell runs ``main()`` as ``torchrun`` would: torchrun's environment, no group.
 

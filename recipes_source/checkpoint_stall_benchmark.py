@@ -144,7 +144,7 @@ def build_sharded_model(seed):
 # Six ways to save
 # ----------------
 # * ``dcp.save`` writes from the training tensors, and returns once they are on
-#   disk. ``async_save`` copies the state into fresh host memory, then writes
+#   disk. ``async_save`` copies the state into host memory allocated per save, then writes
 #   that copy in a thread (a reused stager: :ref:`sphx_glr_recipes_async_save_recipe.py`).
 # * ``DefaultStager overlap`` copies during the next forward and backward pass,
 #   and the loop waits for it before ``optimizer.step()`` (safe: this forward

@@ -276,7 +276,7 @@ def train_with_default_stager(checkpoint_root):
                 response.upload_completion.result()  # allocates the buffers
 
     response.upload_completion.result()  # rule 8
-    stager.close()  # rule 8: stops the staging thread, frees the host buffers
+    stager.close()  # rule 8: stops its thread and drops its buffer cache
     dist.destroy_process_group(checkpoint_group)  # rule 9
     row = [round(x, 4) for x in model.layers[0].weight.full_tensor()[0, :3].tolist()]
     print(f"after step {NUM_STEPS}: layers.0.weight[0, :3] = {row}")
@@ -553,11 +553,11 @@ proofs.differing_state(
 # group once every rank's last upload is done (rule 9). The checkpoint
 # directory is a path that every rank sees (``shared_tempdir`` made one here;
 # on several machines, a shared file system). Save it as ``train.py`` with the
-# functions above, and:
+# functions above and ``if __name__ == "__main__": main(sys.argv[1])``, and:
 #
 # .. code-block:: bash
 #
-#    torchrun --nproc-per-node=2 train.py
+#    torchrun --nproc-per-node=2 train.py /shared/checkpoints
 #
 # The cell runs ``main()`` the way ``torchrun`` would, on ranks that have
 # torchrun's environment and no process group yet.
