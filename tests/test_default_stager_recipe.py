@@ -197,9 +197,7 @@ def test_the_loop_follows_the_rules_it_states():
         "storage_writer=dcp.FileSystemWriter(path, per_thread_copy_ahead=0),  # rule 10"
     )
     assert "stager = DefaultStager(staging_options(use_async_staging=True))  # rule 2" in lines
-    close = lines.index(
-        "stager.close()  # rule 8: stops its thread and drops its buffer cache"
-    )
+    close = lines.index("stager.close()  # rule 8: stops its thread and drops its buffer cache")
     assert lines[close - 1] == "response.upload_completion.result()  # rule 8"
     assert lines[close + 1] == "dist.destroy_process_group(checkpoint_group)  # rule 9"
     assert ".. versionadded:: 2.9" in recipe_path(RECIPE).read_text()
