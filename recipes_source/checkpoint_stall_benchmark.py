@@ -501,7 +501,8 @@ stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 # Costs to training, against the run's own steps that overlapped no save: the median
 # step that overlapped one over theirs; the stall plus what those steps took beyond
 # theirs (total overhead), and per second from the stall to durable; peak host memory
-# over the run without one's, in whole MB. An effect is noise where a round showed none.
+# over the run without one's, in whole MB. An effect is noise where a round showed none,
+# an overhead where a round's was a twentieth of a step or less (the caption says why).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 

@@ -186,15 +186,24 @@ def factor_cells(
     return [word, f"x{found['factor']:.2f} (x{low:.2f}-x{high:.2f} by round)"]
 
 
-def effect(values: Sequence[float], neutral: float = 0.0) -> dict:
+def effect(
+    values: Sequence[float], neutral: float = 0.0, resolution: Sequence[float] | None = None
+) -> dict:
     """Repeated measurements of an effect that cannot be negative (a stall, a cost, extra
     memory, a slow-down above ``neutral``): their ``summary``, the ``effect`` (median minus
     ``neutral``) and whether it is ``within_noise``: where the spread reaches ``neutral``, a
     round without the effect (or with the opposite one). An effect in every round is an
-    effect, however much it varies: a slow round of a shared machine does not hide it."""
+    effect, however much it varies: a slow round of a shared machine does not hide it.
+    ``resolution``, per round: the least effect its measurement tells from none (an effect
+    no larger in some round is within noise)."""
     entry = summary(values)
     entry["effect"] = entry["median"] - neutral
-    entry["within_noise"] = entry["min"] <= neutral
+    floors = [neutral + r for r in resolution] if resolution else [neutral] * len(values)
+    if len(floors) != len(values):
+        raise ValueError(f"one resolution per round, not {resolution} for {values}")
+    entry["within_noise"] = any(v <= f for v, f in zip(values, floors, strict=True))
+    if resolution:
+        entry["resolution"] = list(resolution)
     return entry
 
 
