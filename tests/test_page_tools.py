@@ -2301,7 +2301,8 @@ GPU_MEASURED = {
 def test_the_gpu_measurements_are_named_numbers_and_decided_claims(capsys):
     measured = {**GPU_MEASURED, "staging": [dict(GPU_MEASURED["staging"][0], stager=101)] * 3}
     numbers = memory.pinning_numbers(measured, nbytes=10**9)
-    assert numbers["writer pinned x state"] == 1.8 and numbers["stager pinned x state"] == 1.01
+    assert numbers["writer: pinned MB per MB of state"] == 1.8
+    assert numbers["stager: pinned MB per MB of state"] == 1.01
     assert numbers["copy into reused pinned memory GB/s"] == pytest.approx(1 / 0.06)
     assert memory.pinning_numbers(None) == {}
     memory.claim_pins_the_state_size("exact", measured)

@@ -751,7 +751,7 @@ def pinning_numbers(pinning: dict | None, nbytes: int = 2**28) -> dict:
         return numbers
     for what in ("writer", "stager"):
         ratios = sorted(p[what] / p["state"] for p in pinning["staging"])
-        numbers[f"{what} pinned x state"] = ratios[len(ratios) // 2]
+        numbers[f"{what}: pinned MB per MB of state"] = ratios[len(ratios) // 2]
     for into, seconds in pinning["copies_s"].items():
         numbers[f"copy into {into} GB/s"] = nbytes / sorted(seconds)[len(seconds) // 2] / 1e9
     return numbers

@@ -52,7 +52,8 @@ from page_tools import disk, figures, machine, observe, results, stats, timing
 BASELINE = "no checkpoint"
 # metric: (heading, format, unit, the value of "no effect"; None: shown, not judged). The
 # slow-down of the steps beside a save is not judged on its own: it is part of the total
-# overhead, judged below (a step or two slower by 1-3% here, with a step's own noise).
+# overhead, judged below (direct I/O overlap's one step ran a few percent slower, about
+# as much as a step's own time varies, and its verdict flipped from run to run).
 METRICS = {
     "stall_per_checkpoint_s": ("stall per checkpoint", ".3g", " s", 0.0),
     "overlapped_step_slowdown": ("slow-down of steps that overlap a save", ".3g", "x", None),
