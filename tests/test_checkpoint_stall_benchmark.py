@@ -165,6 +165,7 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
         "lost_per_background_s": None,  # a save that blocks until durable has no background
         "wall_s": wall,
         "step_s": step,
+        "overlapped_steps": max(sum(over for _, over in s["steps"]) for s in segments),
     }
     if saving and found["time_until_durable_s"] > found["stall_per_checkpoint_s"]:
         beyond = found["overhead_s"] - found["stall_per_checkpoint_s"]
@@ -181,7 +182,7 @@ def recompute(runs: dict, multiple: float = HEADLINE) -> dict:
                 run_metrics(run, runs[baseline_label(name)][i], multiple)[metric]
                 for i, run in enumerate(rounds)
             ]
-            for metric in [*NEUTRAL, "step_s"]
+            for metric in [*NEUTRAL, "step_s", "overlapped_steps"]
         }
         for name, rounds in runs.items()
         if covers(rounds[0], multiple)
@@ -332,6 +333,8 @@ def check_results(results: dict, ranks: int) -> dict:
                 assert entry["within_noise"] == overhead_within_noise(recomputed[name]), name
             else:
                 assert entry["within_noise"] == within_noise(raw, neutral), (name, metric)
+    for name in at_headline:  # the steps each round's slow-down is of
+        assert summary[name]["overlapped_steps"] == recomputed[name]["overlapped_steps"], name
     assert summary["no checkpoint"]["overhead_s"]["values"] == [0.0] * config["rounds"]
     assert summary["no checkpoint"]["stall_per_checkpoint_s"] is None
     assert summary["dcp.save"]["overlapped_step_slowdown"] is None, "dcp.save blocks"

@@ -405,6 +405,8 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
         "wall_s": wall,
         "interval_s": base_wall,  # what the interval's steps take without checkpoints
         "reference_step_s": reference_step,  # a step beside no save (``overhead``'s)
+        # how many steps the slow-down is of (a rank's; the most of any rank)
+        "overlapped_steps": max(sum(over for _, over in s["steps"]) for s in segments),
     }
 
 
@@ -436,6 +438,7 @@ def summarize(
             else:
                 floor = overhead_resolution(per_round) if metric == "overhead_s" else None
                 summary[name][metric] = stats.effect(values, neutral, floor)
+        summary[name]["overlapped_steps"] = [m["overlapped_steps"] for m in per_round]
     return summary
 
 
@@ -674,12 +677,18 @@ def summary_table(
 ) -> figures.Table:
     """One row per run, one column per metric: median [lowest .. highest], and "within noise"."""
     columns = ["run"] + [METRICS[m][0] for m in metrics_shown]
-    rows = [
-        [name]
-        + [stats.shown_entry(summary[name][m], METRICS[m][1], METRICS[m][2]) for m in metrics_shown]
-        for name in names
-    ]
-    rounds = next(e["n"] for e in summary[names[0]].values() if e)
+
+    def cell(name: str, metric: str) -> str:
+        text = stats.shown_entry(summary[name][metric], METRICS[metric][1], METRICS[metric][2])
+        if metric == "overlapped_step_slowdown" and summary[name][metric]:
+            counts = summary[name]["overlapped_steps"]  # per round
+            fewest, most = min(counts), max(counts)
+            steps = str(most) if fewest == most else f"{fewest}-{most}"
+            text += f", {steps} step{'s' if most > 1 else ''}"
+        return text
+
+    rows = [[name] + [cell(name, m) for m in metrics_shown] for name in names]
+    rounds = next(e["n"] for e in summary[names[0]].values() if isinstance(e, dict))
     caption = f"medians over {rounds} rounds [lowest .. highest]"
     shown = [summary[n]["overhead_s"] or {} for n in names if "overhead_s" in metrics_shown]
     floors = [floor for entry in shown for floor in entry.get("resolution", [])]
@@ -688,7 +697,8 @@ def summary_table(
             "; within noise: an effect that some round did not have, or an overhead that"
             f" some round had no more than {STEP_RESOLUTION:.0%} of a step of"
             f" ({min(floors):.3g}-{max(floors):.3g} s), about what a step's own time varies"
-            " by; the slow-down is not judged alone: it is part of the overhead"
+            " by; the slow-down is not judged alone: it is part of the overhead, and is the"
+            " median of the steps that overlapped a save, as many per round as it says"
         )
     if "extra_memory_mb" in metrics_shown:  # what a run's own peak cannot hold
         kept = [name for name in names if summary[name]["extra_memory_mb"] is None]
