@@ -334,7 +334,8 @@ def check_results(results: dict, ranks: int) -> dict:
             else:
                 assert entry["within_noise"] == within_noise(raw, neutral), (name, metric)
     for name in at_headline:  # the steps each round's slow-down is of
-        assert summary[name]["overlapped_steps"] == recomputed[name]["overlapped_steps"], name
+        steps = summary[name]["overlapped_steps"]["values"]
+        assert steps == recomputed[name]["overlapped_steps"], name
     assert summary["no checkpoint"]["overhead_s"]["values"] == [0.0] * config["rounds"]
     assert summary["no checkpoint"]["stall_per_checkpoint_s"] is None
     assert summary["dcp.save"]["overlapped_step_slowdown"] is None, "dcp.save blocks"

@@ -1805,7 +1805,7 @@ def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
     assert small["overhead_s"]["resolution"] == pytest.approx([0.005, 0.005])
     assert small["stall_per_checkpoint_s"]["within_noise"] is True, "one round waited none"
     assert "within_noise" not in small["overlapped_step_slowdown"], "shown, not judged"
-    assert small["overlapped_steps"] == [1, 1], "one step per round overlapped the save"
+    assert small["overlapped_steps"]["values"] == [1, 1], "one step per round overlapped it"
     beside[0] = [step * (1 + 2 * stalls.STEP_RESOLUTION), True]
     assert stalls.summarize(runs, 2)["overlap"]["overhead_s"]["within_noise"] is False
     assert stalls.baseline_of("DefaultStager overlap (2 threads)") == "no checkpoint (2 threads)"
@@ -3606,11 +3606,11 @@ def test_costs_table_says_which_runs_peak_memory_cannot_see():
     assert "no more than 5% of a step of (0.05-0.06 s)" in table.caption
     summary["process writer"] |= {
         "overlapped_step_slowdown": stats.summary([1.1, 1.3]),
-        "overlapped_steps": [3, 2],
+        "overlapped_steps": stats.summary([3, 2]),
     }
     summary["torch_checkpointing"] |= {
         "overlapped_step_slowdown": stats.summary([1.1, 1.3]),
-        "overlapped_steps": [1, 1],
+        "overlapped_steps": stats.summary([1, 1]),
     }
     table = stalls.summary_table(summary, list(summary), ["overlapped_step_slowdown"])
     assert [row[1] for row in table.rows] == [

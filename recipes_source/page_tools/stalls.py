@@ -438,7 +438,8 @@ def summarize(
             else:
                 floor = overhead_resolution(per_round) if metric == "overhead_s" else None
                 summary[name][metric] = stats.effect(values, neutral, floor)
-        summary[name]["overlapped_steps"] = [m["overlapped_steps"] for m in per_round]
+        steps = [m["overlapped_steps"] for m in per_round]  # how many the slow-down is of
+        summary[name]["overlapped_steps"] = stats.summary(steps)
     return summary
 
 
@@ -682,13 +683,13 @@ def summary_table(
         text = stats.shown_entry(summary[name][metric], METRICS[metric][1], METRICS[metric][2])
         if metric == "overlapped_step_slowdown" and summary[name][metric]:
             counts = summary[name]["overlapped_steps"]  # per round
-            fewest, most = min(counts), max(counts)
+            fewest, most = round(counts["min"]), round(counts["max"])
             steps = str(most) if fewest == most else f"{fewest}-{most}"
             text += f", {steps} step{'s' if most > 1 else ''}"
         return text
 
     rows = [[name] + [cell(name, m) for m in metrics_shown] for name in names]
-    rounds = next(e["n"] for e in summary[names[0]].values() if isinstance(e, dict))
+    rounds = next(e["n"] for e in summary[names[0]].values() if e)
     caption = f"medians over {rounds} rounds [lowest .. highest]"
     shown = [summary[n]["overhead_s"] or {} for n in names if "overhead_s" in metrics_shown]
     floors = [floor for entry in shown for floor in entry.get("resolution", [])]
