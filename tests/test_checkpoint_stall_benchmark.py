@@ -419,6 +419,9 @@ def check_results(results: dict, ranks: int) -> dict:
         if noise:
             met = None  # no multiple of a noise says anything
         assert found["goal"] == goal and found["met"] is met, (best, metric, found)
+        assert found["limit"] == pytest.approx(limit)
+        floors = [step / 20 for step in recomputed[best]["step_s"]]  # as within_noise's
+        assert found["resolution"] == (pytest.approx(floors) if metric == "overhead_s" else None)
     headline = values["headline"]
     assert headline["strategy"] == best
     assert headline["stall_vs_dcp_save"] == values["ratios"][best]["stall_vs_dcp_save"]

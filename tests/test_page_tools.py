@@ -1919,6 +1919,22 @@ def test_goals_cannot_be_met_against_a_reference_that_is_noise():
     assert undecided["met"] is None and "within noise" in undecided["said"]
 
 
+def test_an_overhead_goal_carries_the_resolution_its_rounds_were_judged_at():
+    summary = {
+        "dcp.save": {"overhead_s": stats.effect([1.0, 1.2], 0.0, [0.05, 0.06])},
+        "near": {"overhead_s": stats.effect([0.04, 0.07], 0.0, [0.05, 0.06])},
+        "stall": {"stall_per_checkpoint_s": stats.effect([0.01, 0.02])},
+    }
+    summary["dcp.save"]["stall_per_checkpoint_s"] = stats.effect([1.0, 1.2])
+    found = stalls.goals(summary, "near", {"overhead_s": 0.05})["overhead_s"]
+    assert found["limit"] == pytest.approx(0.055) and found["met"] is None
+    assert found["resolution"] == [0.05, 0.06], "the rounds' own, in order"
+    assert found["said"].endswith("; a round resolves 0.05-0.06 s")
+    stall = stalls.goals(summary, "stall", {"stall_per_checkpoint_s": 0.02})
+    assert stall["stall_per_checkpoint_s"]["resolution"] is None, "a stall has none"
+    assert "resolves" not in stall["stall_per_checkpoint_s"]["said"]
+
+
 def test_advice_gives_none_where_the_lead_is_noise():
     summary = {
         "a": {"stall_per_checkpoint_s": stats.effect([0.10, 0.11])},

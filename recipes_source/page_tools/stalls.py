@@ -519,11 +519,15 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
     say so. dcp.save's round-to-round spread is the disk's, which the background strategies
     do not share (a stall is a wait for the GIL or a copy): pairing each round with that
     round's dcp.save would add its noise to theirs. Where dcp.save's own effect is within
-    noise, a multiple of it says nothing: the goal is neither met nor missed (None)."""
+    noise, a multiple of it says nothing: the goal is neither met nor missed (None). With
+    the rounds' ``resolution`` where the metric has one (an overhead: known no closer than
+    that), said beside the rounds: a goal about that close to them can read met in one run
+    and undecided in the next."""
     found = {}
     for metric, goal in goals_vs_dcp_save.items():
         heading, spec, unit, _ = METRICS[metric]
         values = summary[name][metric]["values"]
+        resolution = summary[name][metric].get("resolution")
         reference = summary["dcp.save"][metric]
         limit = goal * reference["median"]
         factor = metric in WAITS
@@ -531,6 +535,8 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         rounds = ", ".join(f"{v:.3g}" for v in values)
         below = f"below {limit:.3g}{unit} in {outcome['rounds_below']} of {len(values)} rounds"
         said = f"{below} ({rounds}{unit})"
+        if resolution:
+            said += f"; a round resolves {min(resolution):.3g}-{max(resolution):.3g}{unit}"
         met = outcome["met"]
         if reference.get("within_noise"):
             met = None
@@ -539,6 +545,8 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
             "heading": heading,
             "goal": goal,
             "ratio": outcome["a"]["median"] / reference["median"],
+            "limit": limit,  # in the metric's unit
+            "resolution": resolution,  # per round, or None
             "met": met,
             "said": said,
         }
