@@ -3456,14 +3456,16 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     assert ticks["tensor copy"] > 4 * max(ticks["storage copy"], 1), ticks
     # DefaultStager copies a tensor into the buffer it kept from its first stage with the
     # storage's copy: one 256 MB tensor, a Python thread beside it runs before and after
-    # the copy (the stager's own Python), not during it, as beside the tensor's own copy.
+    # the copy (the stager's own Python), not during it, as beside the tensor's own copy
+    # into memory it touched before. Judged against that copy, not a count: a slower
+    # machine lets the probe in more often between the stager's own lines (7 on CI).
     state = {"weight": torch.rand(64 << 20)}
     stager = DefaultStager(StagingOptions(False, False, False, False))
     stager.stage(state)
     staged = gil_probe.ticks_during(lambda: stager.stage(state))
-    tensor_copy = torch.empty_like(state["weight"])
+    tensor_copy = torch.empty_like(state["weight"]).copy_(state["weight"])
     copied = gil_probe.ticks_during(lambda: tensor_copy.copy_(state["weight"]))
-    assert staged <= 5 and copied > 20, (staged, copied)
+    assert copied > 20 and staged * 10 < copied, (staged, copied)
     stager.close()
 
 
