@@ -1353,23 +1353,74 @@ def test_measured_tables_lines_and_a_figure_beside_the_results(tmp_path, monkeyp
     assert (tmp_path / "page.png").read_bytes().startswith(b"\x89PNG")
 
 
+def results_command(*arguments: str) -> str:
+    """What ``python -m page_tools.results`` prints, as ``make bench`` runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "page_tools.results", *arguments],
+        env=dict(os.environ, PYTHONPATH=str(RECIPES)),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+
+
 def test_headline_line_is_what_make_bench_prints(tmp_path, monkeypatch):
     monkeypatch.setenv(results.RESULTS_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(results.RECIPE_ENV, "bench_page")
     results.record("headline", {"best_GBps": 1.23456, "runs": 3})
     path = tmp_path / "bench_page.json"
     assert results.headline_line(path) == "bench_page: best_GBps 1.23, runs 3"
-    printed = subprocess.run(
-        [sys.executable, "-m", "page_tools.results", str(path)],
-        env=dict(os.environ, PYTHONPATH=str(RECIPES)),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert printed == "bench_page: best_GBps 1.23, runs 3\n"
+    assert results_command(str(path)) == "bench_page: best_GBps 1.23, runs 3\n"
     results.record("headline", "not a dict")
     with pytest.raises(ValueError, match="no headline"):
         results.headline_line(path)
+
+
+def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
+    values = {
+        "runs": {"runs": {"a": [[{"strategy": "a", "within_noise": True}]]}},  # raw records
+        "summary": {"a": {"overhead_s": {"median": 0.1, "values": [0.1], "within_noise": False}}},
+        "goals": {"a": {"overhead_s": {"met": None, "limit": 0.05, "said": "below 0.05 s"}}},
+        "advice": [["thread_count=2", "faster", "x1.42 (x1.39-x1.49 by round)"]],
+        "headline": {"best_save": "safetensors", "best_save_GBps": 2.0},
+        "helpers": [{"holds_back": True, "gb_moved": 1.0}],
+    }
+    assert results.verdicts(values) == {
+        "summary/a/overhead_s/within_noise": False,
+        "goals/a/overhead_s/met": None,
+        "advice/thread_count=2": "faster",
+        "headline/best_save": "safetensors",
+        "helpers/0/holds_back": True,
+    }
+
+
+def test_make_bench_run_again_lists_each_verdict_that_changed(tmp_path):
+    before, after = tmp_path / "bench-previous", tmp_path / "bench"
+
+    def write(directory, recipe, values):
+        directory.mkdir(exist_ok=True)
+        data = {"recipe": recipe, "claims": {}, "values": values}
+        (directory / f"{recipe}.json").write_text(json.dumps(data))
+
+    write(before, "stalls", {"summary": {"a": {"within_noise": False}, "b": {"met": True}}})
+    write(after, "stalls", {"summary": {"a": {"within_noise": True}, "b": {"met": True}}})
+    before_speeds = {"advice": [["x", "faster", "x1.2"]], "headline": {"best_load": "a"}}
+    write(before, "speeds", before_speeds)
+    write(
+        after, "speeds", {"advice": [["x", "faster", "x1.3"]], "thread_knob": {"verdict": "less"}}
+    )
+    write(after, "new_page", {"headline": {"strategy": "a"}})  # no earlier run: not compared
+    lines = results.compare_verdicts(before, after)
+    assert lines == [
+        "speeds: 1 of 3 verdicts the same, these differ:",
+        "  headline/best_load: 'a', now not recorded",
+        "  thread_knob/verdict: not recorded, now 'less'",
+        "stalls: 1 of 2 verdicts the same, these differ:",
+        "  summary/a/within_noise: False, now True",
+    ]
+    printed = results_command("--compare", str(before), str(after))
+    assert printed.splitlines() == [f"verdicts in {after} against {before}:", *lines]
 
 
 # --------------------------------------------------------------------------
@@ -2140,6 +2191,11 @@ def test_thread_knob_says_why_it_did_not_run_and_compares_budgets_where_it_did()
     knob = stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)
     assert knob["ran"] and knob["threads"] == {"recommended": 3, "every_core": 4}
     assert knob["said"].startswith("3 training thread(s): 1 s less than 4")
+    assert knob["verdict"] == "more", "every core's overhead against the recommended's"
+    summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([0.2, 0.3])}
+    assert stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)["verdict"] == "less"
+    summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([0.45, 0.7])}
+    assert stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)["verdict"] == "within noise"
 
 
 def test_ratios_flag_an_overhead_ratio_that_rests_on_noise():

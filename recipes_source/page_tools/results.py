@@ -147,6 +147,68 @@ def headline_line(path: Path) -> str:
     return f"{data.get('recipe', Path(path).stem)}: {shown}"
 
 
-if __name__ == "__main__":  # python -m page_tools.results RESULTS.json ...: their headlines
-    for argument in sys.argv[1:]:
-        print(headline_line(Path(argument)))
+# Where a page records a decision rather than a number (a noise verdict, a goal met, the
+# strategy or knob it names): what two runs of ``make bench`` on one machine must agree on.
+VERDICT_KEYS = frozenset(
+    {"within_noise", "overhead_within_noise", "met", "holds_back", "verdict", "slower"}
+    | {"strategy", "best", "second", "choose"}
+    | {"best_save", "best_save_next", "best_load", "best_load_next"}
+)
+
+
+def verdicts(values: dict) -> dict[str, Any]:
+    """A results file's verdicts, each by where it lies in the recorded values (a path
+    such as ``summary/async_save/overhead_s/within_noise``): every value under one of
+    ``VERDICT_KEYS``, and the verdict of each row of an ``advice`` table (its name, its
+    verdict, its numbers). The raw records of the runs (``runs``) hold none."""
+    found = {}
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                if key in VERDICT_KEYS and not isinstance(inner, dict | list):
+                    found["/".join((*path, key))] = inner
+                else:
+                    walk(inner, (*path, key))
+        elif isinstance(value, list) and path == ("advice",):
+            found.update({f"advice/{row[0]}": row[1] for row in value})
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                walk(inner, (*path, str(index)))
+
+    walk({name: value for name, value in values.items() if name != "runs"}, ())
+    return found
+
+
+def compare_verdicts(before: Path, after: Path) -> list[str]:
+    """Per results file in the directory ``after`` that ``before`` holds too: how many of
+    its verdicts are the same as there, and each one that is not (or is in one only)."""
+    lines = []
+    for path in sorted(Path(after).glob("*.json")):
+        if not (Path(before) / path.name).exists():
+            continue
+        old, new = (verdicts(read(d / path.name)["values"]) for d in (Path(before), Path(after)))
+        missing = object()
+        changed = [
+            f"  {key}: {old.get(key, missing)!r}, now {new.get(key, missing)!r}".replace(
+                repr(missing), "not recorded"
+            )
+            for key in dict.fromkeys([*old, *new])
+            if old.get(key, missing) != new.get(key, missing)
+        ]
+        same = len(old.keys() | new.keys()) - len(changed)
+        summary = f"{path.stem}: {same} of {len(old.keys() | new.keys())} verdicts the same"
+        lines += [summary + (", these differ:" if changed else ""), *changed]
+    return lines
+
+
+if __name__ == "__main__":
+    # python -m page_tools.results RESULTS.json ...: their headlines;
+    # python -m page_tools.results --compare BEFORE_DIR AFTER_DIR: their verdicts
+    if sys.argv[1:2] == ["--compare"]:
+        before, after = sys.argv[2:4]
+        print(f"verdicts in {after} against {before}:")
+        print("\n".join(compare_verdicts(Path(before), Path(after))))
+    else:
+        for argument in sys.argv[1:]:
+            print(headline_line(Path(argument)))

@@ -651,7 +651,8 @@ def advice(
 
 def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: int) -> dict:
     """``strategy``'s total overhead and stall with the default thread budget and with every
-    core for training, and whether the overheads differ by more than noise."""
+    core for training, and whether the overheads differ by more than noise: ``verdict``,
+    every core's overhead "more" or "less" than the default budget's, or "within noise"."""
     if every_core <= default_threads or label(strategy, every_core, default_threads) not in summary:
         spare = every_core > default_threads
         why = (
@@ -661,7 +662,7 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
         )
         return {"ran": False, "why": why}
     budgets = {default_threads: strategy, every_core: label(strategy, every_core, default_threads)}
-    said, _ = stats.verdict(
+    said, diff = stats.verdict(
         f"{default_threads} training thread(s)",
         summary[strategy]["overhead_s"]["values"],
         f"{every_core}",
@@ -672,6 +673,7 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
         "ran": True,
         "threads": {"recommended": default_threads, "every_core": every_core},
         "labels": {str(threads): name for threads, name in budgets.items()},
+        "verdict": stats.word(diff),  # every core's overhead against the recommended's
         "said": said,
     }
 
