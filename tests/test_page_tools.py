@@ -1385,6 +1385,10 @@ def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
         "advice": [["thread_count=2", "faster", "x1.42 (x1.39-x1.49 by round)"]],
         "headline": {"best_save": "safetensors", "best_save_GBps": 2.0},
         "helpers": [{"holds_back": True, "gb_moved": 1.0}],
+        "criteria": {
+            "stall": {"best": "a", "second": "b", "choose": "a"},  # b: a median, unnamed
+            "memory": {"best": "a", "second": "c", "choose": None},  # "either: a and c"
+        },
     }
     assert results.verdicts(values) == {
         "summary/a/overhead_s/within_noise": False,
@@ -1392,6 +1396,11 @@ def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
         "advice/thread_count=2": "faster",
         "headline/best_save": "safetensors",
         "helpers/0/holds_back": True,
+        "criteria/stall/best": "a",
+        "criteria/stall/choose": "a",
+        "criteria/memory/best": "a",
+        "criteria/memory/second": "c",
+        "criteria/memory/choose": None,
     }
 
 

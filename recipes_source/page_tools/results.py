@@ -160,12 +160,16 @@ def verdicts(values: dict) -> dict[str, Any]:
     """A results file's verdicts, each by where it lies in the recorded values (a path
     such as ``summary/async_save/overhead_s/within_noise``): every value under one of
     ``VERDICT_KEYS``, and the verdict of each row of an ``advice`` table (its name, its
-    verdict, its numbers). The raw records of the runs (``runs``) hold none."""
+    verdict, its numbers). The raw records of the runs (``runs``) hold none. A runner-up
+    (``second``) is one only where no choice was made (it is then the rival named beside
+    the best); beside a choice, it is the strategy whose median the page shows, unnamed."""
     found = {}
 
     def walk(value: Any, path: tuple) -> None:
         if isinstance(value, dict):
             for key, inner in value.items():
+                if key == "second" and value.get("choose"):
+                    continue
                 if key in VERDICT_KEYS and not isinstance(inner, dict | list):
                     found["/".join((*path, key))] = inner
                 else:
