@@ -184,6 +184,10 @@ def verdicts(values: dict) -> dict[str, Any]:
     return found
 
 
+def _shown(found: dict, key: str) -> str:
+    return repr(found[key]) if key in found else "not recorded"
+
+
 def compare_verdicts(before: Path, after: Path) -> list[str]:
     """Per results file in the directory ``after`` that ``before`` holds too: how many of
     its verdicts are the same as there, and each one that is not (or is in one only)."""
@@ -192,13 +196,10 @@ def compare_verdicts(before: Path, after: Path) -> list[str]:
         if not (Path(before) / path.name).exists():
             continue
         old, new = (verdicts(read(d / path.name)["values"]) for d in (Path(before), Path(after)))
-        missing = object()
         changed = [
-            f"  {key}: {old.get(key, missing)!r}, now {new.get(key, missing)!r}".replace(
-                repr(missing), "not recorded"
-            )
+            f"  {key}: {_shown(old, key)}, now {_shown(new, key)}"
             for key in dict.fromkeys([*old, *new])
-            if old.get(key, missing) != new.get(key, missing)
+            if _shown(old, key) != _shown(new, key)
         ]
         same = len(old.keys() | new.keys()) - len(changed)
         summary = f"{path.stem}: {same} of {len(old.keys() | new.keys())} verdicts the same"
