@@ -132,8 +132,8 @@ serve: $(READY)
 # comparing its verdicts with theirs: two runs on one machine should reach the same ones.
 bench: $(READY)
 	rm -rf $(BUILD)/bench-previous && if [ -d $(BUILD)/bench ]; then mv $(BUILD)/bench $(BUILD)/bench-previous; fi
-	rm -f $(BUILD)/bench/checkpoint_stall_benchmark.json && DCP_RECIPES_BENCH=1 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
-	rm -f $(BUILD)/bench/save_load_speed_recipe.json && DCP_RECIPES_BENCH=1 DCP_RECIPES_SPEED_REPEATS=3 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/save_load_speed_recipe.py && PYTHONPATH=recipes_source $(PY) -m page_tools.results $(BUILD)/bench/save_load_speed_recipe.json
+	DCP_RECIPES_BENCH=1 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
+	DCP_RECIPES_BENCH=1 DCP_RECIPES_SPEED_REPEATS=3 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/save_load_speed_recipe.py && PYTHONPATH=recipes_source $(PY) -m page_tools.results $(BUILD)/bench/save_load_speed_recipe.json
 	if [ -d $(BUILD)/bench-previous ]; then PYTHONPATH=recipes_source $(PY) -m page_tools.results --compare $(BUILD)/bench-previous $(BUILD)/bench; fi
 
 # Not part of `make test` (about 20 minutes here): launches counted for hangs. It runs the
