@@ -196,13 +196,13 @@ def compare_verdicts(before: Path, after: Path) -> list[str]:
         if not (Path(before) / path.name).exists():
             continue
         old, new = (verdicts(read(d / path.name)["values"]) for d in (Path(before), Path(after)))
+        keys = list(dict.fromkeys([*old, *new]))  # both runs', in the order they lie
         changed = [
-            f"  {key}: {_shown(old, key)}, now {_shown(new, key)}"
-            for key in dict.fromkeys([*old, *new])
-            if _shown(old, key) != _shown(new, key)
+            f"  {key}: {was}, now {now}"
+            for key in keys
+            if (was := _shown(old, key)) != (now := _shown(new, key))
         ]
-        same = len(old.keys() | new.keys()) - len(changed)
-        summary = f"{path.stem}: {same} of {len(old.keys() | new.keys())} verdicts the same"
+        summary = f"{path.stem}: {len(keys) - len(changed)} of {len(keys)} verdicts the same"
         lines += [summary + (", these differ:" if changed else ""), *changed]
     return lines
 
