@@ -193,11 +193,16 @@ def spread(values: list[float]) -> float:
     return max(values) - min(values)
 
 
+def resolutions(steps: list[float]) -> list[float]:
+    """Each round's least overhead told from none: a twentieth of its step beside no save."""
+    return [step / 20 for step in steps]
+
+
 def within_noise(values: list[float], neutral: float, steps: list[float] | None = None) -> bool:
     """The page's rule: an effect is noise where some round showed none (at or below "no
     effect"); a total overhead (``steps``: each round's step beside no save), where some
     round's was no more than a twentieth of that step."""
-    floors = [neutral + step / 20 for step in steps] if steps else [neutral] * len(values)
+    floors = [neutral + r for r in resolutions(steps)] if steps else [neutral] * len(values)
     return any(value <= floor for value, floor in zip(values, floors, strict=True))
 
 
@@ -420,7 +425,7 @@ def check_results(results: dict, ranks: int) -> dict:
             met = None  # no multiple of a noise says anything
         assert found["goal"] == goal and found["met"] is met, (best, metric, found)
         assert found["limit"] == pytest.approx(limit)
-        floors = [step / 20 for step in recomputed[best]["step_s"]]  # as within_noise's
+        floors = resolutions(recomputed[best]["step_s"])
         assert found["resolution"] == (pytest.approx(floors) if metric == "overhead_s" else None)
     headline = values["headline"]
     assert headline["strategy"] == best
