@@ -498,11 +498,11 @@ SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULT
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
 # %%
-# Costs to training, against the run's own steps that overlapped no save: the median
-# step that overlapped one over theirs; the stall plus what those steps took beyond
-# theirs (total overhead), and per second from the stall to durable; peak host memory
-# over the run without one's, in whole MB. An effect is noise where a round showed none,
-# an overhead where a round's was a twentieth of a step or less (the caption says why).
+# Costs to training, against the run's own steps that overlapped no save (their lower
+# quartile): the median step that overlapped one over that; the stall plus what those
+# steps took beyond it (total overhead), and per second from the stall to durable; peak
+# host memory over the run without one's, in whole MB. An effect is noise where a round
+# showed none, an overhead where a round's was a tenth of a step or less (see the caption).
 
 stalls.summary_table(SUMMARY, STRATEGIES, stalls.COSTS)
 
@@ -517,8 +517,8 @@ stalls.ratios_table(RATIOS, LIMITS["copy_s"])
 
 # %%
 # The goals (``make bench``: 1 GB), for the least total overhead of the background stagers:
-# stall at most 0.02x dcp.save's median, overhead 0.05x. Met: every round below; not met:
-# none; else undecided (a goal within a round's resolution of them can read either way).
+# stall at most 0.02x dcp.save's median, overhead 0.05x. Met: every round below, by more
+# than a round resolves; not met: every round above by more; else undecided.
 
 BEST = min(STRATEGIES[3:], key=lambda name: SUMMARY[name]["overhead_s"]["median"])
 GOALS = stalls.goals_of(SUMMARY, [BEST], stall_per_checkpoint_s=0.02, overhead_s=0.05)
@@ -568,7 +568,7 @@ figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
 stalls.sweep_table(SWEEP)
 
 # %%
-# Where the knob ran, both thread budgets' costs at 1x a save's time.
+# Where the knob ran, both thread budgets at 1x a save's time: more where most rounds were.
 
 AT_1X = stalls.at_interval(SWEEP, 1)
 KNOB = stalls.thread_knob(AT_1X, "DefaultStager overlap", THREADS, CORES_PER_RANK)

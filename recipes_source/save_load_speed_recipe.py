@@ -556,9 +556,8 @@ speeds.replicated_table(REPLICATED, REPEATS)
 # %%
 # The advice for this machine
 # ---------------------------
-# The best save and load (the knobs with the fastest round: noise here only ever slows
-# a save or a load), against their limits. A ``FileSystemWriter`` thread serializes a
-# tensor, then writes it.
+# The best save and load (the knobs with the highest median), against their limits. A
+# ``FileSystemWriter`` thread serializes a tensor, then writes it.
 
 MACHINE = results.record(
     "machine",

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -1717,6 +1718,39 @@ def test_below_goal_is_met_missed_or_undecided_round_by_round():
     assert as_factors["met"] is True and as_factors["factor"]
 
 
+def test_a_goal_within_a_rounds_resolution_of_it_is_undecided():
+    assert stats.below_goal([0.03, 0.04], 0.06, resolution=[0.02, 0.01])["met"] is True
+    near = stats.below_goal([0.03, 0.04], 0.06, resolution=[0.03, 0.01])
+    assert near["met"] is None and near["rounds_below"] == 2, "below, but not by a round's"
+    assert stats.below_goal([0.1, 0.12], 0.06, resolution=[0.03, 0.05])["met"] is False
+    assert stats.below_goal([0.1, 0.12], 0.06, resolution=[0.05, 0.05])["met"] is None
+    with pytest.raises(ValueError):
+        stats.below_goal([0.1, 0.12], 0.06, resolution=[0.05])
+
+
+def test_in_most_rounds_pairs_the_rounds_and_lets_one_round_disagree():
+    found = stats.in_most_rounds([0.5, 0.6, 0.4], [1.5, 0.6, 1.4], [0.1, 0.1, 0.1])
+    assert found["change"] == "more" and (found["above"], found["below"]) == (2, 0)
+    assert found["differences"] == pytest.approx([1.0, 0.0, 1.0])
+    assert stats.in_most_rounds([0.5, 0.6, 0.4], [1.5, 0.6, 0.45], [0.1] * 3)["change"] is None
+    assert stats.in_most_rounds([1.5, 1.6], [0.5, 0.6])["change"] == "less"
+    assert stats.in_most_rounds([1.0, 1.0], [1.2, 0.8])["change"] is None, "1 of 2: no majority"
+    with pytest.raises(ValueError):
+        stats.in_most_rounds([1.0, 1.0], [1.2])
+
+
+def test_a_step_beside_no_save_is_the_lower_quartile_of_such_steps():
+    half_slowed = [1.1, 1.12, 1.25, 1.3, 1.28, 1.2, 1.15]  # 4 of 7 slowed by the machine
+    assert stalls.quiet_step(half_slowed) == 1.12, "sorted, a quarter of the way up"
+    assert stalls.quiet_step([1.3, 1.0, 1.1]) == 1.0 and stalls.quiet_step([1.2]) == 1.2
+    with pytest.raises(ValueError):
+        stalls.quiet_step([])
+    overlapped = [[1.3, True], [1.25, True], [1.2, True]]
+    segment = {"stall_s": 0.01, "steps": overlapped + [[t, False] for t in half_slowed]}
+    assert stalls.overhead(segment, {"steps": []}) == pytest.approx(0.01 + 0.18 + 0.13 + 0.08)
+    assert statistics.median(half_slowed) == 1.2, "a median would have found 0.16 s less"
+
+
 def test_a_stall_is_noise_only_where_a_round_waited_none():
     slow_round = [1.06, 3.52, 1.38]  # a blocking save's stall, one round slowed by the machine
     assert not stats.effect(slow_round)["within_noise"], "it waited in every round"
@@ -1860,9 +1894,9 @@ def test_summarize_marks_effects_and_compares_each_run_with_its_own_round():
     beside = [[step * (1 + stalls.STEP_RESOLUTION / 2), True]] + [[step, False]] * 3
     runs["overlap"] = [[_run(0.001, 1.0, beside, 100)], [_run(0.0, 1.0, beside, 100)]]
     small = stalls.summarize(runs, 2)["overlap"]
-    assert small["overhead_s"]["values"] == pytest.approx([0.0035, 0.0025])
-    assert small["overhead_s"]["within_noise"] is True, "a fortieth of a step: not resolved"
-    assert small["overhead_s"]["resolution"] == pytest.approx([0.005, 0.005])
+    assert small["overhead_s"]["values"] == pytest.approx([0.006, 0.005])
+    assert small["overhead_s"]["within_noise"] is True, "a twentieth of a step: not resolved"
+    assert small["overhead_s"]["resolution"] == pytest.approx([0.01, 0.01])
     assert small["stall_per_checkpoint_s"]["within_noise"] is True, "one round waited none"
     assert "within_noise" not in small["overlapped_step_slowdown"], "shown, not judged"
     assert small["overlapped_steps"]["values"] == [1, 1], "one step per round overlapped it"
@@ -2199,11 +2233,24 @@ def test_thread_knob_says_why_it_did_not_run_and_compares_budgets_where_it_did()
     summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([1.5, 1.6])}
     knob = stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)
     assert knob["ran"] and knob["threads"] == {"recommended": 3, "every_core": 4}
-    assert knob["said"].startswith("3 training thread(s): 1 s less than 4")
+    assert knob["said"].startswith("4 training threads: more total overhead than 3 in 2 of the")
     assert knob["verdict"] == "more", "every core's overhead against the recommended's"
     summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([0.2, 0.3])}
     assert stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)["verdict"] == "less"
     summary["DefaultStager overlap (4 threads)"] = {"overhead_s": stats.effect([0.45, 0.7])}
+    assert stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)["verdict"] == "within noise"
+    # Paired by round, each round's resolution the larger of the two runs': in 2 of 3
+    # rounds more by over 0.1 s is more, one round alike notwithstanding; in 1 of 3, noise.
+    summary = {
+        "DefaultStager overlap": {"overhead_s": stats.effect([0.5, 0.6, 0.4], 0.0, [0.1] * 3)},
+        "DefaultStager overlap (4 threads)": {
+            "overhead_s": stats.effect([1.5, 0.6, 1.4], 0.0, [0.05, 0.12, 0.1])
+        },
+    }
+    knob = stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)
+    assert knob["verdict"] == "more" and knob["resolution"] == [0.1, 0.12, 0.1]
+    assert "in 2 of the 3 rounds" in knob["said"]
+    summary["DefaultStager overlap (4 threads)"]["overhead_s"]["values"] = [1.5, 0.6, 0.45]
     assert stalls.thread_knob(summary, "DefaultStager overlap", 3, 4)["verdict"] == "within noise"
 
 
@@ -3430,7 +3477,17 @@ def test_fills_take_the_slowest_rank_per_round_and_decide_on_the_ratio_scale():
     assert slow["GBps"]["idle"] == [1.0, 0.5, 1.0]
     assert slow["slower"] == "slower" and slow["waited_s"] == [1.0, 2.0, 3.0]
     same = machine.fills([run([0.5, 0.6, 0.5], [0.6, 0.5, 0.5])])
-    assert same["slower"] == "within noise"
+    assert same["slower"] == "within noise" and same["tested"] == [0, 1, 2]
+    # Rounds whose host was told of none of the freed memory (on some rank) do not decide.
+    told_once = run([0.5, 0.5, 0.5], [2.0, 0.5, 0.5]) | {"reported_mb": [6.0, 0.0, 0.0]}
+    once = machine.fills([told_once, run([0.5, 0.5, 0.5], [2.0, 0.5, 0.5])])
+    assert once["tested"] == [0] and once["slower"] == "slower"
+    assert "(from the 1 of 3 rounds the host was told of)" in machine.fills_table(once).caption
+    assert once["reported_mb_per_rank"] == [[6.0, 0.0, 0.0], [5.0, 6.0, 7.0]]
+    never = machine.fills([told_once | {"reported_mb": [0.0] * 3}])
+    assert never["tested"] == [] and never["slower"] == "not tested"
+    uncounted = machine.fills([told_once | {"reported_mb": [None] * 3}])
+    assert uncounted["tested"] == [0, 1, 2], "a kernel that cannot count: every round waited"
     assert str(machine.fills_table(slow)).splitlines()[-1].split()[-2:] == ["1.00", "(0.50-1.00)"]
 
 
@@ -3644,8 +3701,8 @@ def test_the_best_knob_is_the_one_with_the_fastest_round():
     knobs = {
         "steady": knob([1.5, 1.5, 1.5], [2.0, 2.0, 2.0]),
         "hit once": knob([1.9, 0.9, 1.4], [2.0, 2.1, 1.0]),  # a lower median, a faster round
-        "once fast": knob([1.8, 1.0, 1.0], [1.0, 1.0, 1.0]),
-        "as fast": knob([1.8, 1.6, 1.7], [1.0, 1.0, 1.0]),  # as fast, a higher median
+        "once fast": knob([2.5, 1.0, 1.0], [1.0, 1.0, 1.0]),  # the fastest round of all
+        "as high": knob([1.5, 1.6, 1.4], [1.0, 1.0, 1.0]),  # steady's median, a faster round
         "not durable": knob([9.0, 9.0, 9.0], [1.0, 1.0, 1.0]),
     }
     limits = {
@@ -3658,18 +3715,22 @@ def test_the_best_knob_is_the_one_with_the_fastest_round():
         "GBps": {"write_fsync": {"1": [2.0]}, "read_storage": {"1": [4.0]}},
     }
     found = speeds.headline(knobs, limits, ["not durable"])
-    assert (found["best_save"], found["best_save_next"]) == ("hit once", "as fast")
-    assert found["best_save_GBps"] == 1.4 and found["best_save_of_limit"] == 1.4 / 2.0
-    assert found["best_save_fastest_GBps"] == 1.9
-    assert found["best_save_next_factor"] == pytest.approx(1.8 / 1.9)
+    # the highest median, not the fastest round; of two as high, the faster fastest round
+    assert (found["best_save"], found["best_save_next"]) == ("as high", "steady")
+    assert found["best_save_GBps"] == 1.5 and found["best_save_of_limit"] == 1.5 / 2.0
+    assert found["best_save_fastest_GBps"] == 1.6
+    assert found["best_save_next_factor"] == 1.0, "its median over the best's"
     assert (found["best_load"], found["best_load_next"]) == ("hit once", "steady")
-    assert found["best_load_GBps"] == 2.0 and found["best_load_next_factor"] == 2.0 / 2.1
-    assert speeds.best(knobs, "save_GBps", ["not durable", "hit once", "as fast"]) == "once fast"
+    assert found["best_load_GBps"] == 2.0 and found["best_load_next_factor"] == 1.0
+    assert speeds.best(knobs, "save_GBps", ["not durable", "as high", "steady"]) == "hit once"
+    assert (
+        speeds.best({"a": knob([1.0, 3.0, 1.1], []), "b": knob([1.2] * 3, [])}, "save_GBps") == "b"
+    )
     row = speeds.best_table(found, limits, "on a test")
     assert row.rows[0][1:] == [
-        "hit once (next: as fast, x0.95)",
-        "1.40 GB/s (fastest round 1.90)",
-        "0.70 of write + fsync",
+        "as high (next: steady, x1.00)",
+        "1.50 GB/s (fastest round 1.60)",
+        "0.75 of write + fsync",
     ]
 
 
@@ -3686,7 +3747,7 @@ def test_costs_table_says_which_runs_peak_memory_cannot_see():
     summary["process writer"]["overhead_s"] = stats.effect([0.3, 0.2], 0.0, [0.05, 0.06])
     summary["torch_checkpointing"]["overhead_s"] = stats.effect([0.3, 0.2], 0.0, [0.055] * 2)
     table = stalls.summary_table(summary, list(summary), ["overhead_s"])
-    assert "no more than 5% of a step of (0.05-0.06 s)" in table.caption
+    assert "no more than 10% of a step of (0.05-0.06 s)" in table.caption
     summary["process writer"] |= {
         "overlapped_step_slowdown": stats.summary([1.1, 1.3]),
         "overlapped_steps": stats.summary([3, 2]),

@@ -206,8 +206,16 @@ def test_the_page_cache_fills_are_the_slowest_ranks_each_round_with_their_verdic
         slowest = [max(s) for s in zip(*(rank[kind] for rank in per_rank), strict=True)]
         assert fills["GBps"][kind] == pytest.approx([fills["bytes"] / s / 1e9 for s in slowest])
         assert len(slowest) == repeats == len(fills["waited_s"])
-    diff = stats.difference(fills["GBps"]["idle"], fills["GBps"]["just_freed"], factor=True)
-    assert fills["slower"] == stats.word(diff, more="slower", less="faster")
+    # the rounds whose host was told of some of the freed memory (or cannot say) decide
+    reported = zip(*fills["reported_mb_per_rank"], strict=True)  # per round, every rank's
+    tested = [i for i, mbs in enumerate(reported) if all(mb is None or mb > 0 for mb in mbs)]
+    assert fills["tested"] == tested
+    if tested:
+        idle, freed = ([fills["GBps"][k][i] for i in tested] for k in ("idle", "just_freed"))
+        diff = stats.difference(idle, freed, factor=True)
+        assert fills["slower"] == stats.word(diff, more="slower", less="faster")
+    else:
+        assert fills["slower"] == "not tested"
     assert fills["reporting"] == machine.reporting()
     assert values["machine"]["free_page_reporting"] == fills["reporting"]["reports"]
 
@@ -216,8 +224,8 @@ def test_the_headline_is_the_best_save_and_load_against_the_limits(built, values
     knobs, limit = values["knobs"], values["limits"]["limit"]
     durable = [name for name in KNOBS if name != "sync_files=False"]
 
-    def fastest(key, names):  # the fastest round; of two as fast, the higher median
-        return max(names, key=lambda n: (max(knobs[n][key]), statistics.median(knobs[n][key])))
+    def fastest(key, names):  # the highest median; of two as high, the faster fastest round
+        return max(names, key=lambda n: (statistics.median(knobs[n][key]), max(knobs[n][key])))
 
     best_save, best_load = fastest("save_GBps", durable), fastest("cold_load_GBps", KNOBS)
     next_save = fastest("save_GBps", [n for n in durable if n != best_save])
@@ -234,11 +242,12 @@ def test_the_headline_is_the_best_save_and_load_against_the_limits(built, values
             "best_save_GBps": save_gbps,
             "best_save_of_limit": save_gbps / limit["write_fsync"],
             "best_save_fastest_GBps": save_fastest,
-            "best_save_next_factor": max(knobs[next_save]["save_GBps"]) / save_fastest,
+            "best_save_next_factor": statistics.median(knobs[next_save]["save_GBps"]) / save_gbps,
             "best_load_GBps": load_gbps,
             "best_load_of_limit": load_gbps / limit["read_storage"],
             "best_load_fastest_GBps": load_fastest,
-            "best_load_next_factor": max(knobs[next_load]["cold_load_GBps"]) / load_fastest,
+            "best_load_next_factor": statistics.median(knobs[next_load]["cold_load_GBps"])
+            / load_gbps,
         }
     )
     assert headline["best_save_next_factor"] <= 1 and headline["best_load_next_factor"] <= 1

@@ -15,12 +15,12 @@ interval, against the run without checkpoints of the same round and thread budge
 (``metrics``):
 
 * *stall per checkpoint*: the slowest rank's wait;
-* *slow-down of steps that overlap a save*: their median over the median of the run's own
-  steps that overlapped none (where every step of the interval overlapped one: those of the
-  run's other intervals, else the baseline's);
-* *total overhead*: the stall plus what the steps that overlapped a save took beyond the
-  run's own steps that overlapped none (their median; where every step of the interval
-  overlapped one: those of the run's other intervals, else the baseline's). A run is its
+* *slow-down of steps that overlap a save*: their median over a step beside no save: the
+  lower quartile of the run's own steps that overlapped none (``quiet_step``; where every
+  step of the interval overlapped one: those of the run's other intervals, else the
+  baseline's);
+* *total overhead*: the stall plus what the steps that overlapped a save took beyond that
+  step beside no save. A run is its
   own reference: between runs a minute apart the same step drifts by more (1.5x on an
   H200, 2x on 2 CPU cores) than a background save costs it;
 * *extra peak host memory* per rank, over the baseline's;
@@ -68,9 +68,11 @@ TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 # A total overhead no larger than this share of one step (the round's reference step), in
 # some round, is within noise. Overhead is measured in step times, and a step's time is
 # not known closer than that: without any checkpoint, the first step of an interval ran
-# up to about 5% off the others' median here, and an effect of one step that small flipped
-# between "effect" and "noise" from one make bench run to the next.
-STEP_RESOLUTION = 0.05
+# up to 7.3% above the others' lower quartile (28 of 30 rounds of make bench runs 30-39;
+# the other two, 28% and 30%, a hiccup of the machine). A save's one overlapped step is an
+# interval's first: at 5%, direct I/O's overhead of about that step's own stray read
+# "effect" in some runs and "noise" in others; at 8%, still in one run of ten.
+STEP_RESOLUTION = 0.10
 # waits the loop timed itself: compared as factors, noise only where a round waited none
 WAITS = ("stall_per_checkpoint_s",)
 # a goal's ``met``, in words: met, not met, or undecided (rounds on both sides of the goal,
@@ -329,18 +331,31 @@ def _segment(run: dict, multiple: float) -> tuple[int, dict]:
     return index, run["segments"][index]
 
 
+def quiet_step(seconds: Sequence[float]) -> float:
+    """A step beside no save, from the times of such steps: their lower quartile (sorted,
+    the one a quarter of the way up, rounding down; of three or fewer, the fastest). A
+    shared machine's noise only slows a step, and it can slow half of them: in one round of
+    make bench, 4 of the 7 steps after DefaultStager's save was durable ran 0.08-0.17 s
+    slow; their median rose by 0.07 s, which took 0.28 s off its overhead of 3 overlapped
+    steps (0.047 s, in rounds of 0.33-0.45 s: "within noise"). Not the fastest of them
+    all: each overlapped step would then count the quiet steps' own spread as overhead."""
+    ordered = sorted(seconds)
+    if not ordered:
+        raise ValueError("no step beside no save")
+    return ordered[(len(ordered) - 1) // 4]
+
+
 def overhead(segment: dict, baseline_segment: dict) -> float:
     """One rank's total overhead in a segment: its stall, plus what its steps that overlapped
-    a save took beyond a step without one: the median of the segment's own steps that
+    a save took beyond a step without one (``quiet_step``): of the segment's own steps that
     overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
     interval: ``reference_segment``). Steps after the save is durable are the reference,
     not steps of a run minutes away, on a machine whose speed drifts more than a save
-    costs. The median, as for ``overlapped_step_slowdown``: one quiet step that a hiccup of
-    the machine slowed would raise a mean of seven by a seventh of its delay, for each
-    overlapped step (one bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead
-    read -0.02 s)."""
+    costs; a quartile, not a mean: one quiet step that a hiccup of the machine slowed
+    would raise a mean of seven by a seventh of its delay, for each overlapped step (one
+    bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead read -0.02 s)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = statistics.median(quiet or [t for t, _ in baseline_segment["steps"]])
+    reference = quiet_step(quiet or [t for t, _ in baseline_segment["steps"]])
     return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
 
 
@@ -379,7 +394,7 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
     quiet = quiet or [t for s in fallbacks for t, _ in s["steps"]]  # see ``overhead``
-    reference_step = statistics.median(quiet)
+    reference_step = quiet_step(quiet)
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
     stall = max(s["stall_s"] for s in segments) if saving else None
@@ -519,10 +534,12 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
     say so. dcp.save's round-to-round spread is the disk's, which the background strategies
     do not share (a stall is a wait for the GIL or a copy): pairing each round with that
     round's dcp.save would add its noise to theirs. Where dcp.save's own effect is within
-    noise, a multiple of it says nothing: the goal is neither met nor missed (None). With
-    the rounds' ``resolution`` where the metric has one (an overhead: known no closer than
-    that), said beside the rounds: a goal about that close to them can read met in one run
-    and undecided in the next."""
+    noise, a multiple of it says nothing: the goal is neither met nor missed (None). Where
+    the metric has a ``resolution`` (an overhead: a round's is known no closer than that),
+    a round is below the goal only with it, and above only without it; a goal within that
+    of the rounds is undecided, and the rounds' resolution is said beside them. Without
+    it, direct I/O's overhead goal (0.057-0.12 s, beside rounds of -0.06 to 0.19 s, each
+    known to 0.06 s) read met in 6 of 12 make bench runs and undecided in the others."""
     found = {}
     for metric, goal in goals_vs_dcp_save.items():
         heading, spec, unit, _ = METRICS[metric]
@@ -531,7 +548,7 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         reference = summary["dcp.save"][metric]
         limit = goal * reference["median"]
         factor = metric in WAITS
-        outcome = stats.below_goal(values, limit, factor)
+        outcome = stats.below_goal(values, limit, factor, resolution)
         rounds = ", ".join(f"{v:.3g}" for v in values)
         below = f"below {limit:.3g}{unit} in {outcome['rounds_below']} of {len(values)} rounds"
         said = f"{below} ({rounds}{unit})"
@@ -650,9 +667,12 @@ def advice(
 
 
 def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: int) -> dict:
-    """``strategy``'s total overhead and stall with the default thread budget and with every
-    core for training, and whether the overheads differ by more than noise: ``verdict``,
-    every core's overhead "more" or "less" than the default budget's, or "within noise"."""
+    """``strategy``'s total overhead with the default thread budget and with every core for
+    training, paired round by round (``stats.in_most_rounds``, each round's resolution the
+    larger of the two runs'): ``verdict``, every core's overhead "more" or "less" than the
+    default budget's, or "within noise". In most rounds, not in every one: with every core
+    training, the upload gets the CPU in turns, and finishes within 1 to 3 steps; in 1 of
+    18 rounds (make bench runs 34-39) it cost no more than with a core to spare."""
     if every_core <= default_threads or label(strategy, every_core, default_threads) not in summary:
         spare = every_core > default_threads
         why = (
@@ -662,18 +682,32 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
         )
         return {"ran": False, "why": why}
     budgets = {default_threads: strategy, every_core: label(strategy, every_core, default_threads)}
-    said, diff = stats.verdict(
-        f"{default_threads} training thread(s)",
-        summary[strategy]["overhead_s"]["values"],
-        f"{every_core}",
-        summary[budgets[every_core]]["overhead_s"]["values"],
-        "s",
-    )
+    recommended, every = (summary[budgets[t]]["overhead_s"] for t in budgets)
+    floors = (e.get("resolution") or [0.0] * e["n"] for e in (recommended, every))
+    resolution = [max(pair) for pair in zip(*floors, strict=True)]
+    found = stats.in_most_rounds(recommended["values"], every["values"], resolution)
+    verdict = {"more": "more", "less": "less", None: "within noise"}[found["change"]]
+    rounds = len(resolution)
+    medians = f"medians {recommended['median']:.3g} and {every['median']:.3g} s"
+    if found["change"] is None:
+        said = (
+            f"{every_core} training threads and {default_threads} are within noise of each "
+            f"other: neither's total overhead more in most of the {rounds} rounds ({medians})"
+        )
+    else:
+        said = (
+            f"{every_core} training threads: more total overhead than {default_threads} in "
+            f"{found['above']} of the {rounds} rounds ({medians})"
+            if verdict == "more"
+            else f"{every_core} training threads: less total overhead than {default_threads} "
+            f"in {found['below']} of the {rounds} rounds ({medians})"
+        )
     return {
         "ran": True,
         "threads": {"recommended": default_threads, "every_core": every_core},
         "labels": {str(threads): name for threads, name in budgets.items()},
-        "verdict": stats.word(diff),  # every core's overhead against the recommended's
+        "verdict": verdict,  # every core's overhead against the recommended's
+        "resolution": resolution,
         "said": said,
     }
 
@@ -707,9 +741,10 @@ def summary_table(
         caption += (
             "; within noise: an effect that some round did not have, or an overhead that"
             f" some round had no more than {STEP_RESOLUTION:.0%} of a step of"
-            f" ({min(floors):.3g}-{max(floors):.3g} s), about what a step's own time varies"
-            " by; the slow-down is not judged alone: it is part of the overhead, and is the"
-            " median of the steps that overlapped a save, as many per round as it says"
+            f" ({min(floors):.3g}-{max(floors):.3g} s), about what an interval's first step"
+            " strays by without a save; the slow-down is not judged alone: it is part of the"
+            " overhead, and is the median of the steps that overlapped a save, as many per"
+            " round as it says"
         )
     if "extra_memory_mb" in metrics_shown:  # what a run's own peak cannot hold
         kept = [name for name in names if summary[name]["extra_memory_mb"] is None]

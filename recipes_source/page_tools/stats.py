@@ -207,16 +207,53 @@ def effect(
     return entry
 
 
-def below_goal(values: Sequence[float], limit: float, factor: bool = False) -> dict:
+def below_goal(
+    values: Sequence[float],
+    limit: float,
+    factor: bool = False,
+    resolution: Sequence[float] | None = None,
+) -> dict:
     """Whether measurements meet a goal "at most ``limit``", round by round: ``met`` is True
     where every round is below it, False where every round is above it, None where the
     rounds fall on both sides (the spread of the differences crosses zero: within noise).
-    Returns ``difference``'s numbers too (on the ratio scale with ``factor``: the same
-    signs), and how many rounds were below (``rounds_below``)."""
+    ``resolution``, per round: how far off a round's value may be (``effect``'s): a round
+    then counts below only where its value plus that is, above only where its value minus
+    that is; a goal within a round's resolution of it is undecided. Returns
+    ``difference``'s numbers too (on the ratio scale with ``factor``: the same signs), and
+    how many rounds were below (``rounds_below``, resolution or not)."""
+    margins = list(resolution) if resolution else [0.0] * len(values)
+    if len(margins) != len(values):
+        raise ValueError(f"one resolution per round, not {resolution} for {values}")
     diff = difference(values, [limit] * len(values), factor)
-    below = [value < limit for value in values]
-    met = True if all(below) else False if not any(below) else None
-    return {**diff, "met": met, "within_noise": met is None, "rounds_below": sum(below)}
+    pairs = list(zip(values, margins, strict=True))
+    met = (
+        True
+        if all(value + margin < limit for value, margin in pairs)
+        else False
+        if all(value - margin > limit for value, margin in pairs)
+        else None
+    )
+    below = sum(value < limit for value in values)
+    return {**diff, "met": met, "within_noise": met is None, "rounds_below": below}
+
+
+def in_most_rounds(
+    a: Sequence[float], b: Sequence[float], resolution: Sequence[float] | None = None
+) -> dict:
+    """``b`` against ``a``, paired round by round (runs that took turns): ``change`` is
+    "more" where ``b`` is above ``a`` by more than the round's ``resolution`` in most
+    rounds (over half), "less" where below by more in most, else None (within noise).
+    Most rounds, not every one: for a difference between two costs that each vary
+    twofold from round to round, one round in which both came out alike does not undo
+    the rounds that agree (a sign test's majority; with 3 rounds, 2)."""
+    margins = list(resolution) if resolution else [0.0] * len(a)
+    if not len(a) == len(b) == len(margins) or not a:
+        raise ValueError(f"paired measurements come one per round, not {a}, {b}, {resolution}")
+    differences = [y - x for x, y in zip(a, b, strict=True)]
+    above = sum(d > m for d, m in zip(differences, margins, strict=True))
+    below = sum(-d > m for d, m in zip(differences, margins, strict=True))
+    change = "more" if 2 * above > len(a) else "less" if 2 * below > len(a) else None
+    return {"differences": differences, "above": above, "below": below, "change": change}
 
 
 def below_in_every_round(values: Sequence[float], others: Sequence[Sequence[float]]) -> bool:
