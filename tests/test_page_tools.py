@@ -1384,7 +1384,7 @@ def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
         "summary": {"a": {"overhead_s": {"median": 0.1, "values": [0.1], "within_noise": False}}},
         "goals": {"a": {"overhead_s": {"met": None, "limit": 0.05, "said": "below 0.05 s"}}},
         "advice": [["thread_count=2", "faster", "x1.42 (x1.39-x1.49 by round)"]],
-        "headline": {"best_save": "safetensors", "best_save_GBps": 2.0},
+        "headline": {"best_save": "safetensors", "best_save_next": "b", "best_save_GBps": 2.0},
         "helpers": [{"holds_back": True, "gb_moved": 1.0}],
         "criteria": {
             "stall": {"best": "a", "second": "b", "choose": "a"},  # b: a median, unnamed
@@ -3728,7 +3728,7 @@ def test_the_best_knob_is_the_one_with_the_fastest_round():
     )
     row = speeds.best_table(found, limits, "on a test")
     assert row.rows[0][1:] == [
-        "as high (next: steady, x1.00)",
+        "as high (next best: x1.00)",
         "1.50 GB/s (fastest round 1.60)",
         "0.75 of write + fsync",
     ]

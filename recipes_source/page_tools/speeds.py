@@ -54,7 +54,7 @@ def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
     ``FileSystemWriter`` / ``FileSystemReader`` can reach at most (``disk.one_thread``)."""
 
     def row(kind: str, what: str, limit: str) -> list[str]:
-        nearest = f"next: {found[f'best_{kind}_next']}, x{found[f'best_{kind}_next_factor']:.2f}"
+        nearest = f"next best: x{found[f'best_{kind}_next_factor']:.2f}"  # a factor, no name
         return [
             f"best {what}",
             f"{'checkpoint of ' if kind == 'load' else ''}{found[f'best_{kind}']} ({nearest})",
@@ -75,8 +75,8 @@ def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
         + [f"at most {disk.one_thread(limits, 'torch_load', 'read_storage'):.2f} GB/s", ""],
     ]
     caption += (
-        "; best: the knob with the highest median, next: the one after it, its median over the"
-        " best's; GB/s: medians"
+        "; best: the knob with the highest median; next best: the median of the knob after it,"
+        " over the best's (which knob that is, the advice below shows); GB/s: medians"
     )
     return figures.Table(["", "with", "measured", ""], rows, caption=caption)
 

@@ -69,9 +69,9 @@ TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
 # some round, is within noise. Overhead is measured in step times, and a step's time is
 # not known closer than that: without any checkpoint, the first step of an interval ran
 # up to 7.3% above the others' lower quartile (28 of 30 rounds of make bench runs 30-39;
-# the other two, 28% and 30%, a hiccup of the machine). A save's one overlapped step is an
-# interval's first: at 5%, direct I/O's overhead of about that step's own stray read
-# "effect" in some runs and "noise" in others; at 8%, still in one run of ten.
+# the other two, 28% and 30%, a hiccup of the machine). Direct I/O's overhead is one such
+# step's: at 5% of a step it read "effect" in 2 of 10 runs and "noise" in the rest; at
+# 10%, "noise" in 11 of 12 (run 36: all three rounds 0.12-0.20 s, above its 0.115 s).
 STEP_RESOLUTION = 0.10
 # waits the loop timed itself: compared as factors, noise only where a round waited none
 WAITS = ("stall_per_checkpoint_s",)
@@ -335,10 +335,11 @@ def quiet_step(seconds: Sequence[float]) -> float:
     """A step beside no save, from the times of such steps: their lower quartile (sorted,
     the one a quarter of the way up, rounding down; of three or fewer, the fastest). A
     shared machine's noise only slows a step, and it can slow half of them: in one round of
-    make bench, 4 of the 7 steps after DefaultStager's save was durable ran 0.08-0.17 s
-    slow; their median rose by 0.07 s, which took 0.28 s off its overhead of 3 overlapped
-    steps (0.047 s, in rounds of 0.33-0.45 s: "within noise"). Not the fastest of them
-    all: each overlapped step would then count the quiet steps' own spread as overhead."""
+    make bench (run 39), 4 of the 7 steps after DefaultStager's save was durable ran
+    0.08-0.17 s slower than the first of them (1.12 s); their median, 1.20 s, read its 3
+    overlapped steps' overhead as 0.047 s (its other rounds: 0.33 and 0.45 s), and the
+    overhead "within noise"; their lower quartile, 1.17 s, reads 0.13 s. Not the fastest
+    of them: each overlapped step would then count the quiet steps' own spread as cost."""
     ordered = sorted(seconds)
     if not ordered:
         raise ValueError("no step beside no save")
@@ -671,8 +672,9 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
     training, paired round by round (``stats.in_most_rounds``, each round's resolution the
     larger of the two runs'): ``verdict``, every core's overhead "more" or "less" than the
     default budget's, or "within noise". In most rounds, not in every one: with every core
-    training, the upload gets the CPU in turns, and finishes within 1 to 3 steps; in 1 of
-    18 rounds (make bench runs 34-39) it cost no more than with a core to spare."""
+    training, the upload takes turns with it for the CPU, and cost 0.5-2.5 s more than with
+    a core to spare in 35 of 36 rounds (make bench runs 30-41); in one (run 38), done
+    within 2 steps instead of 3, no more."""
     if every_core <= default_threads or label(strategy, every_core, default_threads) not in summary:
         spare = every_core > default_threads
         why = (
