@@ -2023,7 +2023,10 @@ def test_an_overhead_goal_carries_the_resolution_its_rounds_were_judged_at():
     found = stalls.goals(summary, "near", {"overhead_s": 0.05})["overhead_s"]
     assert found["limit"] == pytest.approx(0.055) and found["met"] is None
     assert found["resolution"] == [0.05, 0.06], "the rounds' own, in order"
-    assert found["said"].endswith("; a round resolves 0.05-0.06 s")
+    assert found["said"].endswith("; a round resolves 0.05-0.06 s"), "on both sides of it"
+    summary["near"]["overhead_s"] = stats.effect([0.02, 0.03], 0.0, [0.05, 0.06])
+    near = stalls.goals(summary, "near", {"overhead_s": 0.05})["overhead_s"]
+    assert near["met"] is None and near["said"].endswith("0.05-0.06 s: too near the goal to tell")
     stall = stalls.goals(summary, "stall", {"stall_per_checkpoint_s": 0.02})
     assert stall["stall_per_checkpoint_s"]["resolution"] is None, "a stall has none"
     assert "resolves" not in stall["stall_per_checkpoint_s"]["said"]

@@ -555,6 +555,8 @@ def goals(summary: dict, name: str, goals_vs_dcp_save: dict[str, float]) -> dict
         said = f"{below} ({rounds}{unit})"
         if resolution:
             said += f"; a round resolves {min(resolution):.3g}-{max(resolution):.3g}{unit}"
+            if outcome["met"] is None and outcome["rounds_below"] in (0, len(values)):
+                said += ": too near the goal to tell"  # every round on one side, not by that
         met = outcome["met"]
         if reference.get("within_noise"):
             met = None
