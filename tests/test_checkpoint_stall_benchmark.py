@@ -484,6 +484,7 @@ def check_results(results: dict, ranks: int) -> dict:
         lead = leads(ahead, [recomputed[n][metric] for n in rest])
         assert lead == (not rivals)
         assert (found["best"], found["second"]) == (best, (rivals or rest)[0]), metric
+        assert found["rival"] == (rivals[0] if rivals else None), metric
         assert found["choose"] == (best if lead else None), (metric, found)
         assert found["tie"] == TIES.get(metric, 0.0), metric
     return values

@@ -1387,8 +1387,8 @@ def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
         "headline": {"best_save": "safetensors", "best_save_next": "b", "best_save_GBps": 2.0},
         "helpers": [{"holds_back": True, "gb_moved": 1.0}],
         "criteria": {
-            "stall": {"best": "a", "second": "b", "choose": "a"},  # b: a median, unnamed
-            "memory": {"best": "a", "second": "c", "choose": None},  # "either: a and c"
+            "stall": {"best": "a", "second": "b", "choose": "a", "rival": None},  # b: unnamed
+            "memory": {"best": "a", "second": "c", "choose": None, "rival": "c"},  # a or c
         },
     }
     assert results.verdicts(values) == {
@@ -1399,9 +1399,10 @@ def test_a_pages_verdicts_are_its_decisions_not_its_numbers():
         "helpers/0/holds_back": True,
         "criteria/stall/best": "a",
         "criteria/stall/choose": "a",
+        "criteria/stall/rival": None,
         "criteria/memory/best": "a",
-        "criteria/memory/second": "c",
         "criteria/memory/choose": None,
+        "criteria/memory/rival": "c",
     }
 
 
@@ -2042,9 +2043,11 @@ def test_advice_gives_none_where_the_lead_is_noise():
     assert found["stall_per_checkpoint_s"]["best"] == "a"
     assert found["stall_per_checkpoint_s"]["second"] == "c"
     assert found["stall_per_checkpoint_s"]["choose"] is None
+    assert found["stall_per_checkpoint_s"]["rival"] == "c", "named beside the best"
     undecided = found
     found = stalls.advice(summary, ["a", "b"], {"stall_per_checkpoint_s": "it matters"})
     assert found["stall_per_checkpoint_s"]["choose"] == "a"
+    assert found["stall_per_checkpoint_s"]["rival"] is None, "a leads: b's median, unnamed"
     # The table never leaves the answer empty: within noise it names both, and what to do.
     (row,) = stalls.advice_table(undecided).rows
     assert row[1].startswith("either: a and c within noise here; time both on your machine")

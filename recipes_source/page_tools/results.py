@@ -153,7 +153,7 @@ def headline_line(path: Path) -> str:
 # not its name (two knobs a few percent apart took turns at it: 1.63 and 1.64 GB/s).
 VERDICT_KEYS = frozenset(
     {"within_noise", "overhead_within_noise", "met", "holds_back", "verdict", "slower"}
-    | {"strategy", "best", "second", "choose"}
+    | {"strategy", "best", "rival", "choose"}
     | {"best_save", "best_load"}
 )
 
@@ -162,16 +162,15 @@ def verdicts(values: dict) -> dict[str, Any]:
     """A results file's verdicts, each by where it lies in the recorded values (a path
     such as ``summary/async_save/overhead_s/within_noise``): every value under one of
     ``VERDICT_KEYS``, and the verdict of each row of an ``advice`` table (its name, its
-    verdict, its numbers). The raw records of the runs (``runs``) hold none. A runner-up
-    (``second``) is one only where no choice was made (it is then the rival named beside
-    the best); beside a choice, it is the strategy whose median the page shows, unnamed."""
+    verdict, its numbers). The raw records of the runs (``runs``) hold none. Of an advice
+    the page names the ``rival`` beside the best where no choice was made; its runner-up
+    (``second``) beside a choice is the strategy whose median the page shows, unnamed:
+    which of two near-equal strategies that was changed in 5 of 9 consecutive runs."""
     found = {}
 
     def walk(value: Any, path: tuple) -> None:
         if isinstance(value, dict):
             for key, inner in value.items():
-                if key == "second" and value.get("choose"):
-                    continue
                 if key in VERDICT_KEYS and not isinstance(inner, dict | list):
                     found["/".join((*path, key))] = inner
                 else:

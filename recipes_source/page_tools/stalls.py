@@ -634,7 +634,9 @@ def advice(
     whether it leads beyond noise: below every other strategy in every round (a round's runs
     took turns on the same machine: ``stats.below_in_every_round``), by more than the
     metric's ``ties`` where it has one. ``second``: the runner-up where it leads, else the
-    strategy (lowest median first) that was as low, or that close, in some round."""
+    strategy (lowest median first) that was as low, or that close, in some round; that one
+    is also the ``rival``, the strategy the page names beside the best (None where the
+    best leads: the page then shows the runner-up's median, not its name)."""
     found = {}
     for metric, when in criteria.items():
         _, spec, unit, _ = METRICS[metric]
@@ -663,6 +665,7 @@ def advice(
             "best": best,
             "second": second,
             "choose": None if rivals else best,
+            "rival": second if rivals else None,
             "tie": tie,
             "said": said,
         }

@@ -13,7 +13,10 @@ round of the larger then cannot hide a hundredfold difference.
 
 Runs that took turns, one of each per round, compare round by round (``paired_factor``):
 a change only where every round's factor is beyond ``SMALLEST_FACTOR``. A minute in which
-the disk slows down slows the round's runs alike, and drops out of their factor.
+the disk slows down slows the round's runs alike, and drops out of their factor. Two costs
+of the same rounds that each vary twofold differ where most rounds say so
+(``in_most_rounds``); a goal is met only where every round is below it by more than what
+a round resolves (``below_goal``).
 """
 
 from __future__ import annotations
