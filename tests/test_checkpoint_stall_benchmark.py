@@ -113,13 +113,12 @@ def covers(run: list[dict], multiple: float) -> bool:
     return multiple in run[0]["multiples"] or run[0]["strategy"] in ANY_INTERVAL
 
 
-def quiet_elsewhere(rank_run: dict, index: int, base: dict) -> list[float]:
-    """A rank's steps that overlapped no save in the run's other intervals, else every step
-    of its baseline: what an interval whose every step overlapped a save counts against."""
+def quiet_elsewhere(rank_run: dict, index: int, base: dict) -> tuple[list[float], bool]:
+    """A rank's steps that overlapped no save in the run's other intervals (True: the same
+    run's), else every step of its baseline (False)."""
     others = [s for i, s in enumerate(rank_run["segments"]) if i != index]
-    return [t for s in others for t, over in s["steps"] if not over] or [
-        t for t, _ in base["steps"]
-    ]
+    quiet = [t for s in others for t, over in s["steps"] if not over]
+    return (quiet, True) if quiet else ([t for t, _ in base["steps"]], False)
 
 
 def lower_quartile(seconds: list[float]) -> float:
@@ -127,20 +126,27 @@ def lower_quartile(seconds: list[float]) -> float:
     return sorted(seconds)[(len(seconds) - 1) // 4]
 
 
-def overhead_of(segment: dict, elsewhere: list[float]) -> float:
+def with_elsewhere(own: list[float], elsewhere: list[tuple[list[float], bool]]) -> list[float]:
+    """The steps a step beside no save comes from: ``own``, where at least 3; with the same
+    run's other intervals' where fewer; with whatever ``elsewhere`` holds where none."""
+    if len(own) >= 3 or (own and not all(same for _, same in elsewhere)):
+        return own
+    return own + [t for steps, _ in elsewhere for t in steps]
+
+
+def overhead_of(segment: dict, elsewhere: tuple[list[float], bool]) -> float:
     """A rank's stall plus its overlapped steps' time beyond the lower quartile of its steps
-    that overlapped no save (of ``elsewhere``, where every step overlapped one)."""
+    that overlapped no save (``with_elsewhere``)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = lower_quartile(quiet or elsewhere)
+    reference = lower_quartile(with_elsewhere(quiet, [elsewhere]))
     overlapped = [t for t, over in segment["steps"] if over]
     return segment["stall_s"] + sum(overlapped) - reference * len(overlapped)
 
 
 def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     """A run's numbers at one interval: its segment for ``multiple`` on every rank, against
-    the run's own quiet steps (where there are none: its other intervals', else the baseline's). A
-    run whose costs no interval changes ran at one interval only, which stands for every
-    one."""
+    the run's own quiet steps (``with_elsewhere``). A run whose costs no interval changes
+    ran at one interval only, which stands for every one."""
     assert covers(run, multiple)
     multiples = run[0]["multiples"]
     index = multiples.index(multiple) if multiple in multiples else 0
@@ -150,7 +156,7 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     elsewhere = [quiet_elsewhere(r, index, b) for r, b in zip(run, base, strict=True)]
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
-    step = lower_quartile(quiet or sum(elsewhere, []))  # a step beside no save
+    step = lower_quartile(with_elsewhere(quiet, elsewhere))  # a step beside no save
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
     found = {

@@ -1750,6 +1750,17 @@ def test_a_step_beside_no_save_is_the_lower_quartile_of_such_steps():
     segment = {"stall_s": 0.01, "steps": overlapped + [[t, False] for t in half_slowed]}
     assert stalls.overhead(segment, {"steps": []}) == pytest.approx(0.01 + 0.18 + 0.13 + 0.08)
     assert statistics.median(half_slowed) == 1.2, "a median would have found 0.16 s less"
+    # Fewer than FEWEST_QUIET_STEPS beside no save: the run's other intervals' join them.
+    short = {"stall_s": 0.0, "steps": [*overlapped, [1.3, False]]}
+    elsewhere = {"steps": [[1.2, False]] * 5, "same_run": True}
+    assert stalls.FEWEST_QUIET_STEPS == 3
+    assert stalls.overhead(short, elsewhere) == pytest.approx(0.1 + 0.05), "1.2, not 1.3: -0.15"
+    run = {"segments": [short, {"stall_s": 0.0, "steps": [[1.2, False], [1.5, True]]}]}
+    assert stalls.overhead(short, {"steps": [[1.0, False]] * 5}) == pytest.approx(-0.15), (
+        "a run minutes away joins no quiet step of the segment's own"
+    )
+    found = stalls.reference_segment(run, short, elsewhere)
+    assert found == {"steps": [[1.2, False]], "same_run": True}
 
 
 def test_a_stall_is_noise_only_where_a_round_waited_none():

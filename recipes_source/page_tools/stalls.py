@@ -331,6 +331,14 @@ def _segment(run: dict, multiple: float) -> tuple[int, dict]:
     return index, run["segments"][index]
 
 
+# The fewest steps beside no save a reference step is taken from: where a segment has fewer,
+# the same run's other intervals' join them (``beside_no_save``). One step is no reference:
+# in make bench run 42, DefaultStager's 2x interval (4 steps, one after its save was
+# durable, 1.30 s, beside 1.21-1.24 s in the run's 8-step interval) read an overhead of
+# 0.10 s, "within noise"; with the other intervals' quiet steps, 0.36 s (4x: 0.21 s).
+FEWEST_QUIET_STEPS = 3
+
+
 def quiet_step(seconds: Sequence[float]) -> float:
     """A step beside no save, from the times of such steps: their lower quartile (sorted,
     the one a quarter of the way up, rounding down; of three or fewer, the fastest). A
@@ -346,17 +354,29 @@ def quiet_step(seconds: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 4]
 
 
+def beside_no_save(own: list[float], fallbacks: Sequence[dict]) -> list[float]:
+    """The step times a step beside no save is taken from: a segment's own steps that
+    overlapped no save (``own``); where they are fewer than ``FEWEST_QUIET_STEPS``, with the
+    steps of ``fallbacks`` (``reference_segment``'s, one per rank) where those are the same
+    run's; where it has none, with the steps of ``fallbacks`` whatever they are."""
+    if len(own) >= FEWEST_QUIET_STEPS or (own and not all(f.get("same_run") for f in fallbacks)):
+        return own
+    return own + [t for fallback in fallbacks for t, _ in fallback["steps"]]
+
+
 def overhead(segment: dict, baseline_segment: dict) -> float:
     """One rank's total overhead in a segment: its stall, plus what its steps that overlapped
     a save took beyond a step without one (``quiet_step``): of the segment's own steps that
-    overlapped none, or of ``baseline_segment``'s where all did (a save outlasting the
-    interval: ``reference_segment``). Steps after the save is durable are the reference,
-    not steps of a run minutes away, on a machine whose speed drifts more than a save
-    costs; a quartile, not a mean: one quiet step that a hiccup of the machine slowed
-    would raise a mean of seven by a seventh of its delay, for each overlapped step (one
-    bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead read -0.02 s)."""
+    overlapped none, with the run's other intervals' where they are fewer than
+    ``FEWEST_QUIET_STEPS``, or ``baseline_segment``'s where it has none (``beside_no_save``;
+    a save outlasting the interval: ``reference_segment``). Steps after the save is durable
+    are the reference, not steps of a run minutes away, on a machine whose speed drifts
+    more than a save costs; a quartile, not a mean: one quiet step that a hiccup of the
+    machine slowed would raise a mean of seven by a seventh of its delay, for each
+    overlapped step (one bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead
+    read -0.02 s)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = quiet_step(quiet or [t for t, _ in baseline_segment["steps"]])
+    reference = quiet_step(beside_no_save(quiet, [baseline_segment]))
     return segment["stall_s"] + sum(t - reference for t, over in segment["steps"] if over)
 
 
@@ -370,9 +390,11 @@ def extra_memory_mb(run: list[dict], baseline: list[dict]) -> int:
 
 
 def reference_segment(rank_run: dict, segment: dict, baseline_segment: dict) -> dict:
-    """What ``overhead`` falls back on where every step of ``segment`` overlapped a save
-    (an interval shorter than the upload): the steps of the same run's other intervals that
-    overlapped none (seconds away, on the same rank), else ``baseline_segment``."""
+    """What ``overhead`` adds where fewer than ``FEWEST_QUIET_STEPS`` steps of ``segment``
+    overlapped no save (an interval not much longer than the upload): the steps of the same
+    run's other intervals that overlapped none (seconds away, on the same rank: marked
+    ``same_run``), else ``baseline_segment`` (a run minutes away: only where ``segment`` has
+    no such step at all)."""
     quiet = [
         [t, False]
         for other in rank_run["segments"]
@@ -380,7 +402,7 @@ def reference_segment(rank_run: dict, segment: dict, baseline_segment: dict) -> 
         for t, over in other["steps"]
         if not over
     ]
-    return {"steps": quiet} if quiet else baseline_segment
+    return {"steps": quiet, "same_run": True} if quiet else baseline_segment
 
 
 def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str, float | None]:
@@ -394,7 +416,7 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
     base_wall = max(s["wall_s"] for s in base) * (steps_between / base[0]["steps_between"])
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
-    quiet = quiet or [t for s in fallbacks for t, _ in s["steps"]]  # see ``overhead``
+    quiet = beside_no_save(quiet, fallbacks)  # see ``overhead``
     reference_step = quiet_step(quiet)
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
