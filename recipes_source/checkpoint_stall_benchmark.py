@@ -5,7 +5,7 @@ How much does checkpointing stall training?
 A checkpoint costs a training job the time the loop waits for it (the *stall*),
 the speed steps lose while it is written in the background, and the host memory
 that holds a copy. This recipe trains one model with each saving strategy, at
-intervals from half to four times a save's time, next to the machine's limits.
+intervals from half to three times a save's time, next to the machine's limits.
 Every number is a median over rounds in which the strategies take turns, with
 its spread; an effect that some round did not show is noise, never advice.
 
@@ -304,10 +304,10 @@ def starting_point(model, optimizer):
 # -----------------------
 # A background save is free only if the next one starts after it is on disk. A
 # save's time and a step's pick the interval: ``DefaultStager overlap`` at 0.5, 1,
-# 2 and 4 times a save's time, the others at 4 (``dcp.save``: 0.5; no checkpoint: 2).
+# 2 and 3 times a save's time, the others at 3 (``dcp.save``: 0.5; no checkpoint: 2).
 
-MULTIPLES = (0.5, 1, 2, 4)  # checkpoint intervals, in multiples of a save's time
-HEADLINE_MULTIPLE, SWEPT = 4, ("DefaultStager overlap",)  # SWEPT: at every interval
+MULTIPLES = (0.5, 1, 2, 3)  # checkpoint intervals, in multiples of a save's time
+HEADLINE_MULTIPLE, SWEPT = 3, ("DefaultStager overlap",)  # SWEPT: at every interval
 
 
 def steps_between_checkpoints(save_s, step_s, multiple=HEADLINE_MULTIPLE):

@@ -335,7 +335,7 @@ def _segment(run: dict, multiple: float) -> tuple[int, dict]:
 # the same run's other intervals' join them (``beside_no_save``). One step is no reference:
 # in make bench run 42, DefaultStager's 2x interval (4 steps, one after its save was
 # durable, 1.30 s, beside 1.21-1.24 s in the run's 8-step interval) read an overhead of
-# 0.10 s, "within noise"; with the other intervals' quiet steps, 0.36 s (4x: 0.21 s).
+# 0.10 s, "within noise"; with the other intervals' quiet steps, 0.36 s (its 4x: 0.21 s).
 FEWEST_QUIET_STEPS = 3
 
 
