@@ -16,9 +16,9 @@ interval, against the run without checkpoints of the same round and thread budge
 
 * *stall per checkpoint*: the slowest rank's wait;
 * *slow-down of steps that overlap a save*: their median over a step beside no save: the
-  lower quartile of the run's own steps that overlapped none (``quiet_step``; where every
-  step of the interval overlapped one: those of the run's other intervals, else the
-  baseline's);
+  lower quartile of the run's own steps that overlapped none (``quiet_step``; where fewer
+  than ``FEWEST_QUIET_STEPS`` did, with the run's other intervals'; where none did and no
+  other interval has any, the baseline's: ``beside_no_save``);
 * *total overhead*: the stall plus what the steps that overlapped a save took beyond that
   step beside no save. A run is its
   own reference: between runs a minute apart the same step drifts by more (1.5x on an
@@ -715,7 +715,7 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
     floors = (e.get("resolution") or [0.0] * e["n"] for e in (recommended, every))
     resolution = [max(pair) for pair in zip(*floors, strict=True)]
     found = stats.in_most_rounds(recommended["values"], every["values"], resolution)
-    verdict = {"more": "more", "less": "less", None: "within noise"}[found["change"]]
+    verdict = found["change"] or "within noise"
     rounds = len(resolution)
     medians = f"medians {recommended['median']:.3g} and {every['median']:.3g} s"
     if found["change"] is None:
@@ -724,12 +724,10 @@ def thread_knob(summary: dict, strategy: str, default_threads: int, every_core: 
             f"other: neither's total overhead more in most of the {rounds} rounds ({medians})"
         )
     else:
+        agreeing = found["above" if verdict == "more" else "below"]  # the rounds that say so
         said = (
-            f"{every_core} training threads: more total overhead than {default_threads} in "
-            f"{found['above']} of the {rounds} rounds ({medians})"
-            if verdict == "more"
-            else f"{every_core} training threads: less total overhead than {default_threads} "
-            f"in {found['below']} of the {rounds} rounds ({medians})"
+            f"{every_core} training threads: {verdict} total overhead than {default_threads} "
+            f"in {agreeing} of the {rounds} rounds ({medians})"
         )
     return {
         "ran": True,

@@ -189,6 +189,15 @@ def factor_cells(
     return [word, f"x{found['factor']:.2f} (x{low:.2f}-x{high:.2f} by round)"]
 
 
+def _margins(resolution: Sequence[float] | None, values: Sequence[float]) -> list[float]:
+    """Per round, how far off its value may be: ``resolution``'s, one per round, or 0 in
+    every round where there is none."""
+    margins = list(resolution) if resolution else [0.0] * len(values)
+    if len(margins) != len(values):
+        raise ValueError(f"one resolution per round, not {resolution} for {values}")
+    return margins
+
+
 def effect(
     values: Sequence[float], neutral: float = 0.0, resolution: Sequence[float] | None = None
 ) -> dict:
@@ -201,9 +210,7 @@ def effect(
     no larger in some round is within noise)."""
     entry = summary(values)
     entry["effect"] = entry["median"] - neutral
-    floors = [neutral + r for r in resolution] if resolution else [neutral] * len(values)
-    if len(floors) != len(values):
-        raise ValueError(f"one resolution per round, not {resolution} for {values}")
+    floors = [neutral + margin for margin in _margins(resolution, values)]
     entry["within_noise"] = any(v <= f for v, f in zip(values, floors, strict=True))
     if resolution:
         entry["resolution"] = list(resolution)
@@ -224,11 +231,8 @@ def below_goal(
     that is; a goal within a round's resolution of it is undecided. Returns
     ``difference``'s numbers too (on the ratio scale with ``factor``: the same signs), and
     how many rounds were below (``rounds_below``, resolution or not)."""
-    margins = list(resolution) if resolution else [0.0] * len(values)
-    if len(margins) != len(values):
-        raise ValueError(f"one resolution per round, not {resolution} for {values}")
     diff = difference(values, [limit] * len(values), factor)
-    pairs = list(zip(values, margins, strict=True))
+    pairs = list(zip(values, _margins(resolution, values), strict=True))
     met = (
         True
         if all(value + margin < limit for value, margin in pairs)
@@ -249,9 +253,9 @@ def in_most_rounds(
     Most rounds, not every one: for a difference between two costs that each vary
     twofold from round to round, one round in which both came out alike does not undo
     the rounds that agree (a sign test's majority; with 3 rounds, 2)."""
-    margins = list(resolution) if resolution else [0.0] * len(a)
-    if not len(a) == len(b) == len(margins) or not a:
-        raise ValueError(f"paired measurements come one per round, not {a}, {b}, {resolution}")
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired measurements come one per round, not {a} and {b}")
+    margins = _margins(resolution, a)
     differences = [y - x for x, y in zip(a, b, strict=True)]
     above = sum(d > m for d, m in zip(differences, margins, strict=True))
     below = sum(-d > m for d, m in zip(differences, margins, strict=True))
