@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -1322,6 +1323,11 @@ def test_group_median_range_and_paired_factors(capsys):
     assert stats.factor_cells([1.0, 1.0], [1.5, 0.8])[0] == "within noise", "both sides"
     assert stats.paired_factor([1.0, 1.0], [1.09, 1.09])["change"] is None, "under 10%"
     assert stats.paired_factor([1.0], [1.09], smallest=1.05)["change"] == "more"
+    one_slow_round = ([1.0, 1.0, 1.0], [1.5, 0.6, 1.4])
+    assert stats.paired_factor(*one_slow_round)["change"] is None, "every round decides"
+    assert stats.paired_factor(*one_slow_round, most=True)["change"] == "more", "2 of 3"
+    assert stats.paired_factor([1.0, 1.0], [1.5, 0.6], most=True)["change"] is None, "1 of 2"
+    assert stats.factor_cells([1.0] * 3, [0.5, 0.5, 1.2], most=True)[0] == "slower"
     planning = stats.factor_cells([0.010, 0.011], [0.005, 0.0055], ("longer", "shorter"))
     assert planning == ["shorter", "x0.50 (x0.50-x0.50 by round)"]
     with pytest.raises(ValueError):
@@ -3480,6 +3486,37 @@ def test_page_cache_fills_time_both_kinds_each_round_and_leave_no_file(tmp_path,
     assert all(s > 0 for kind in run["seconds"].values() for s in kind)
     assert run["waited_s"] == [0.01, 0.01] and run["reported_mb"] == [None, None]
     assert os.listdir(tmp_path / "fills") == []
+
+
+def _rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def test_memory_in_use_before_writes_and_frees_new_memory_before_each_accepted_call(monkeypatch):
+    from page_tools import machine
+
+    page, nbytes, faults = observe.page_module(), 64 * 2**20, []
+
+    def timed_for_a_test(kind):
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        return kind
+
+    monkeypatch.setattr(page, "timed_for_a_test", timed_for_a_test, raising=False)
+    before_faults, before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _rss_bytes()
+    with machine.memory_in_use_before(
+        "timed_for_a_test", nbytes, lambda call: call.args[0] == "save"
+    ) as used:
+        shown = [page.timed_for_a_test(kind) for kind in ("save", "load", "save")]
+    assert shown == ["save", "load", "save"], "each call runs, and returns what it returns"
+    assert page.timed_for_a_test is timed_for_a_test, "and is itself again after the block"
+    records = used.by_rank[0]
+    assert [r["bytes"] for r in records] == [nbytes, nbytes], "before the saves only"
+    assert all(r["seconds"] > 0 for r in records)
+    # every page written before the first call: a fault per page (per 2 MB huge page at
+    # most), where memory only reserved (torch.empty) faults on none of them
+    assert faults[0] - before_faults >= nbytes // 2**21
+    assert _rss_bytes() - before_rss < nbytes // 2, "and freed, not kept"
 
 
 def test_fills_take_the_slowest_rank_per_round_and_decide_on_the_ratio_scale():

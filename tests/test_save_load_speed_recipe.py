@@ -141,6 +141,20 @@ def test_every_knob_was_timed_in_every_round_with_its_planning(values):
             assert planning is None or planning < values["limits"]["total_bytes"] / speed / 1e9
 
 
+def test_memory_was_written_and_freed_before_every_save_of_every_round(values):
+    repeats, ranks = values["machine"]["repeats"], len(values["limits"]["bytes_per_rank"])
+    used = values["memory_in_use"]
+    assert sorted(used) == [str(rank) for rank in range(ranks)]
+    for records in used.values():  # twice the model's bytes, all ranks', before each save
+        assert len(records) == len(KNOBS) * (repeats + 1), "every knob, warm-up round too"
+        assert {r["bytes"] for r in records} == {2 * values["limits"]["total_bytes"]}
+        assert all(r["seconds"] > 0 for r in records)
+    page = parsed_html(HTML / "recipes" / f"{RECIPE}.html")
+    saves = [t for t in page.select("table.dcp-results") if "dcp.save with" in t.get_text()]
+    said = f"before each save, {2 * values['limits']['total_bytes'] / 1e9:.2f} GB of memory"
+    assert said in saves[0].caption.get_text(), "the saves' table says so"
+
+
 def test_the_profiled_loads_are_the_warm_up_rounds_last_split_into_phases(values):
     """On every rank, two profiled loads of the warm-up round's last checkpoint (cold, then
     warm): every phase took time, and together they took less than the load."""
@@ -277,7 +291,7 @@ def test_replicated_tensors_are_written_once_split_as_the_planner_chose(values):
 
 
 def test_the_advice_compares_each_knob_with_the_defaults_of_its_own_round(values):
-    """A change only where every round's factor over that round's defaults is beyond 1.1
+    """A change only where most rounds' factors over their round's defaults are beyond 1.1
     (as asv compare's default): faster, slower, else within noise."""
     knobs, timed = values["knobs"], values["replicated"]["timed"]
     rows = {row[0]: row[1:] for row in values["advice"]}
@@ -299,9 +313,10 @@ def test_the_advice_compares_each_knob_with_the_defaults_of_its_own_round(values
         factors = [y / x for x, y in zip(a, b, strict=True)]
         more, less = ("longer", "shorter") if row.startswith("planning") else ("faster", "slower")
         word, numbers = rows[row]
-        if min(factors) > 1.1:
+        most = len(factors) // 2 + 1  # over half
+        if sum(f > 1.1 for f in factors) >= most:
             assert word == more, (row, factors)
-        elif max(factors) < 1 / 1.1:
+        elif sum(f < 1 / 1.1 for f in factors) >= most:
             assert word == less, (row, factors)
         else:
             assert word == "within noise", (row, factors)

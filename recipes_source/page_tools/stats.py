@@ -161,29 +161,42 @@ SMALLEST_FACTOR = 1.1
 
 
 def paired_factor(
-    a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR
+    a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR, most: bool = False
 ) -> dict:
     """``b`` over ``a`` round by round (runs that took turns: a slow minute of the disk slows
     the round's runs alike), positive measurements. ``change`` is "more" where every round's
     factor is above ``smallest``, "less" where every round's is below ``1 / smallest``, else
     None: within noise (the rounds' factors reach within ``smallest`` of 1, or fall on both
-    sides: the spread of the effect crosses zero, or comes that close). ``factor``: the
-    median of the rounds' factors."""
+    sides: the spread of the effect crosses zero, or comes that close). With ``most``, most
+    rounds (over half) decide, as in ``in_most_rounds``: one round that a slow moment of
+    the machine hit alone does not undo the rest. ``factor``: the median of the rounds'
+    factors."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired measurements come one per round, not {a} and {b}")
     if min(*a, *b) <= 0:
         raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
     factors = [y / x for x, y in zip(a, b, strict=True)]
-    change = "more" if min(factors) > smallest else "less" if max(factors) < 1 / smallest else None
+    needed = len(factors) // 2 + 1 if most else len(factors)
+    change = (
+        "more"
+        if sum(f > smallest for f in factors) >= needed
+        else "less"
+        if sum(f < 1 / smallest for f in factors) >= needed
+        else None
+    )
     return {"factors": factors, "factor": statistics.median(factors), "change": change}
 
 
 def factor_cells(
-    a: Sequence[float], b: Sequence[float], words: tuple[str, str] = ("faster", "slower")
+    a: Sequence[float],
+    b: Sequence[float],
+    words: tuple[str, str] = ("faster", "slower"),
+    most: bool = False,
 ) -> list[str]:
-    """Two table cells comparing ``b`` with ``a`` (``paired_factor``): its word (``words``
-    for more and less, or "within noise"), and "x1.33 (x1.18-x1.45 by round)"."""
-    found = paired_factor(a, b)
+    """Two table cells comparing ``b`` with ``a`` (``paired_factor``, with ``most``): its
+    word (``words`` for more and less, or "within noise"), and "x1.33 (x1.18-x1.45 by
+    round)"."""
+    found = paired_factor(a, b, most=most)
     word = {"more": words[0], "less": words[1], None: "within noise"}[found["change"]]
     low, high = min(found["factors"]), max(found["factors"])
     return [word, f"x{found['factor']:.2f} (x{low:.2f}-x{high:.2f} by round)"]
