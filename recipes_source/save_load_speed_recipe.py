@@ -379,9 +379,9 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
 # times each save's and load's planning (from the call to the first byte),
 # profiles the warm-up round's ``enable_plan_caching=True`` loads (cold, then
 # warm) and the saves with 4 threads, no CRC-32, runs the probe of the limits
-# before each round's first save, and before every save writes and frees twice the
-# checkpoint's size of memory, untimed: each save then fills memory freed a moment
-# before, as none would by chance on a host that takes freed memory back (below).
+# before each round's first save, and before each measured save writes, then frees,
+# twice the checkpoint's size of memory (untimed), so that each save starts on memory
+# freed a moment before (below: why that matters).
 
 with (
     reads.load_phases(dcp, where=lambda path: "round0/enable_plan_caching" in path) as profiled,
@@ -401,7 +401,9 @@ with (
         repeats=REPEATS,  # serialization timings, in the warm-up round
     ) as limit_runs,
     machine.memory_in_use_before(
-        "timed", 2 * 4 * DEPTH * (WIDTH + 1) * WIDTH, lambda call: call.args[0] is save
+        "timed",
+        2 * 4 * DEPTH * (WIDTH + 1) * WIDTH,
+        lambda call: call.args[0] is save and "/round0/" not in call.args[2],
     ) as used,
 ):
     knob_runs = run_on_ranks(save_and_load_every_way, f"{WORK_DIR}/knobs", REPEATS)
@@ -441,7 +443,7 @@ figures.measured(
     ],
     caption=f"median (lowest-highest) of {REPEATS}; planning: from the call until the first "
     f"byte; plan caching's first save (round 0: fills the cache): {CACHE_FILLED[0] * 1e3:.1f} ms"
-    f"; before each save, {machine.in_use_shown(IN_USE)}",
+    f"; before each measured save, {machine.in_use_shown(IN_USE)}",
 )
 
 # %%
@@ -499,8 +501,7 @@ speeds.save_beside_probe_table(BESIDE_PROBE)
 # save measured just after the other kind of moment is off by that much. Each rank
 # fills a file of its share of page cache, or more (the table gives the size: a small
 # file may find none of its memory taken back), both ways, in turns; no byte reaches disk.
-# What removes it is the machine's, not DCP's: a VM that keeps its freed memory. The
-# timed saves above start on memory in use a moment before: the page wrote, then freed it.
+# What removes it is the machine's, not DCP's: a VM that keeps its freed memory.
 
 FILL_RUNS = run_on_ranks(
     machine.page_cache_fills, f"{WORK_DIR}/fills", max(LIMITS["bytes_per_rank"]), REPEATS
