@@ -76,7 +76,8 @@ def test_the_phases_add_up_and_async_save_blocks_for_two_of_them(built, values):
     evidence = built["claims"]["async-save-blocks-less"]["evidence"]
     assert evidence["a"]["values"] == phases["async_save (1 + 2)"]
     assert evidence["b"]["median"] == statistics.median(phases["dcp.save (one call)"])
-    assert all(a < b for a, b in zip(evidence["a"]["values"], evidence["b"]["values"], strict=True))
+    pairs = list(zip(evidence["a"]["values"], evidence["b"]["values"], strict=True))
+    assert 2 * sum(a < b for a, b in pairs) > len(pairs), "less in most attempts"
 
 
 @pytest.mark.parametrize("run", list(RUNS))

@@ -2607,12 +2607,22 @@ def test_added_claim_less_and_say(capsys):
     # Paired: each attempt of a is faster than the same attempt of b, though the medians
     # are within noise of each other (a slow moment slowed the second pair).
     series = {"a": [1.0, 3.0], "b": [1.5, 3.2]}
-    stats.claim_less_paired("paired", series, "a", "b", "s")
+    stats.claim_less_paired("paired", series, "a", "b", "s", every=True)
     said = capsys.readouterr().out
     assert "a took less than b in each attempt (1 < 1.5, 3 < 3.2 s)" in said
     assert "within noise" in said
     with pytest.raises(results.ClaimFailed):
         stats.claim_less_paired("paired", {"a": [1.0, 3.3], "b": [1.5, 3.2]}, "a", "b", "s")
+    # In most attempts: one pair that a slow moment hit on one side alone does not decide.
+    one_slow = {"a": [1.0, 3.3, 1.0], "b": [1.5, 3.2, 1.5]}
+    stats.claim_less_paired("most", one_slow, "a", "b", "s")
+    assert "a took less than b in 2 of 3 attempts (1 < 1.5, 3.3 >= 3.2, 1 < 1.5 s)" in (
+        capsys.readouterr().out
+    )
+    with pytest.raises(results.ClaimFailed):
+        stats.claim_less_paired("most", one_slow, "a", "b", "s", every=True)
+    with pytest.raises(results.ClaimFailed):
+        stats.claim_less_paired("most", {"a": [2, 3.3, 1], "b": [1.5, 3.2, 1.5]}, "a", "b", "s")
     said = stats.say("a", [1.0, 3.0], "b", [2.0, 2.5], "s")
     assert said["within_noise"] and "within noise" in capsys.readouterr().out
 
