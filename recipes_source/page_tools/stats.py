@@ -160,6 +160,20 @@ def group(
 SMALLEST_FACTOR = 1.1
 
 
+def _enough(count: int, rounds: int, every: bool) -> bool:
+    """Whether ``count`` of ``rounds`` decide: all of them with ``every``, else most (over
+    half: a sign test's majority; with 3 rounds, 2)."""
+    return count == rounds if every else 2 * count > rounds
+
+
+def _change(above: int, below: int, rounds: int, every: bool) -> str | None:
+    """The change the rounds show: "more" where enough of them (``_enough``) were above,
+    "less" where enough were below, else None (within noise)."""
+    if _enough(above, rounds, every):
+        return "more"
+    return "less" if _enough(below, rounds, every) else None
+
+
 def paired_factor(
     a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR, most: bool = False
 ) -> dict:
@@ -176,14 +190,8 @@ def paired_factor(
     if min(*a, *b) <= 0:
         raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
     factors = [y / x for x, y in zip(a, b, strict=True)]
-    needed = len(factors) // 2 + 1 if most else len(factors)
-    change = (
-        "more"
-        if sum(f > smallest for f in factors) >= needed
-        else "less"
-        if sum(f < 1 / smallest for f in factors) >= needed
-        else None
-    )
+    above, below = sum(f > smallest for f in factors), sum(f < 1 / smallest for f in factors)
+    change = _change(above, below, len(factors), every=not most)
     return {"factors": factors, "factor": statistics.median(factors), "change": change}
 
 
@@ -272,7 +280,7 @@ def in_most_rounds(
     differences = [y - x for x, y in zip(a, b, strict=True)]
     above = sum(d > m for d, m in zip(differences, margins, strict=True))
     below = sum(-d > m for d, m in zip(differences, margins, strict=True))
-    change = "more" if 2 * above > len(a) else "less" if 2 * below > len(a) else None
+    change = _change(above, below, len(a), every=False)
     return {"differences": differences, "above": above, "below": below, "change": change}
 
 
@@ -353,7 +361,7 @@ def claim_less_paired(
     pairs = list(zip(series[a], series[b], strict=True))
     shown = ", ".join(f"{x * scale:.3g} {'<' if x < y else '>='} {y * scale:.3g}" for x, y in pairs)
     less = sum(x < y for x, y in pairs)
-    held = less == len(pairs) if every else 2 * less > len(pairs)
+    held = _enough(less, len(pairs), every)
     attempts = "in each attempt" if every else f"in {less} of {len(pairs)} attempts"
     results.claim(
         claim,
