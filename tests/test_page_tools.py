@@ -3641,11 +3641,13 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
     assert ticks["storage copy"] <= 2 * len(pieces), ticks
     assert ticks["tensor copy"] > 4 * max(ticks["storage copy"], 1), ticks
     # DefaultStager copies a tensor into the buffer it kept from its first stage with the
-    # storage's copy: one 256 MB tensor, a Python thread beside it runs before and after
+    # storage's copy: one 512 MB tensor, a Python thread beside it runs before and after
     # the copy (the stager's own Python), not during it, as beside the tensor's own copy
     # into memory it touched before. Judged against that copy, not a count: a slower
-    # machine lets the probe in more often between the stager's own lines (7 on CI).
-    state = {"weight": torch.rand(64 << 20)}
+    # machine lets the probe in more often between the stager's own lines (7 on CI; 17
+    # here on a slow day, beside 162 during a copy of 256 MB: too near a tenth), and the
+    # copy's count grows with its bytes where the stager's lines do not.
+    state = {"weight": torch.rand(128 << 20)}
     stager = DefaultStager(StagingOptions(False, False, False, False))
     stager.stage(state)
     staged = gil_probe.ticks_during(lambda: stager.stage(state))
