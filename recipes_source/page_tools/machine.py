@@ -203,9 +203,10 @@ def memory_in_use_before(
     Without it, in 8 runs of the speed page at make bench's size (5 rounds each), the
     profiled save's torch.save + write took 204-628 ms in 17 of 40 rounds and 100-177 ms
     in the rest, its fsync no longer; with it (twice the checkpoint's size; 4 runs, taking
-    turns with the last 4 of those), 92-143 ms in 18 of 20 rounds, 363 and 420 ms in 2:
-    the kernel reports what is free when its own timer fires, a save's first moments
-    included."""
+    turns with the last 4 of those), 92-143 ms in 18 of 20 rounds, 363 and 420 ms in 2,
+    and in 4 make bench runs after them, 90-142 ms in 10 of 12, 462 and 996 ms in 2 (of
+    a run in which every save was slow): the kernel reports what is free when its own
+    timer fires, a save's first moments included."""
 
     def body(original: Callable, call: observe.Call, keep: Callable) -> object:
         if where(call):

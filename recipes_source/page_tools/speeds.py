@@ -88,8 +88,8 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     against the defaults of its own round (``stats.factor_cells``): a change only where
     most rounds' factors (2 of 3) are beyond ``stats.SMALLEST_FACTOR``. Not every round's:
     with each save's memory in use a moment before (``machine.memory_in_use_before``), a
-    save's torch.save + write still took 3 to 4 times as long in some rounds (2 of the 20
-    profiled saves of 4 runs), and one such round turned "faster" to "within noise".
+    save's torch.save + write still took 3 to 9 times as long in some rounds (4 of the 32
+    profiled saves of 8 runs), and one such round turned "faster" to "within noise".
     Replayed on those 4 runs (their first 3 rounds, then their last 3), two runs agreed
     on 15.2 and 13.8 of the 17 verdicts on average, with every round on 11.5 and 12.2."""
     defaults = knobs["defaults"]
