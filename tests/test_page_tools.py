@@ -1325,9 +1325,9 @@ def test_group_median_range_and_paired_factors(capsys):
     assert stats.paired_factor([1.0], [1.09], smallest=1.05)["change"] == "more"
     one_slow_round = ([1.0, 1.0, 1.0], [1.5, 0.6, 1.4])
     assert stats.paired_factor(*one_slow_round)["change"] is None, "every round decides"
-    assert stats.paired_factor(*one_slow_round, most=True)["change"] == "more", "2 of 3"
-    assert stats.paired_factor([1.0, 1.0], [1.5, 0.6], most=True)["change"] is None, "1 of 2"
-    assert stats.factor_cells([1.0] * 3, [0.5, 0.5, 1.2], most=True)[0] == "slower"
+    assert stats.paired_factor(*one_slow_round, every=False)["change"] == "more", "2 of 3"
+    assert stats.paired_factor([1.0, 1.0], [1.5, 0.6], every=False)["change"] is None, "1 of 2"
+    assert stats.factor_cells([1.0] * 3, [0.5, 0.5, 1.2], every=False)[0] == "slower"
     planning = stats.factor_cells([0.010, 0.011], [0.005, 0.0055], ("longer", "shorter"))
     assert planning == ["shorter", "x0.50 (x0.50-x0.50 by round)"]
     with pytest.raises(ValueError):

@@ -95,7 +95,7 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     defaults = knobs["defaults"]
 
     def cells(a: Sequence[float], b: Sequence[float], words=("faster", "slower")) -> list[str]:
-        return stats.factor_cells(a, b, words, most=True)
+        return stats.factor_cells(a, b, words, every=False)
 
     rows = [
         [name, *cells(defaults["save_GBps"], knob["save_GBps"])]

@@ -12,11 +12,11 @@ larger of their spreads as a factor (highest over lowest) is within noise. One s
 round of the larger then cannot hide a hundredfold difference.
 
 Runs that took turns, one of each per round, compare round by round (``paired_factor``):
-a change only where every round's factor is beyond ``SMALLEST_FACTOR``. A minute in which
-the disk slows down slows the round's runs alike, and drops out of their factor. Two costs
-of the same rounds that each vary twofold differ where most rounds say so
-(``in_most_rounds``); a goal is met only where every round is below it by more than what
-a round resolves (``below_goal``).
+a change only where every round's factor is beyond ``SMALLEST_FACTOR`` (or, where a page
+asks, most rounds': ``every=False``). A minute in which the disk slows down slows the
+round's runs alike, and drops out of their factor. Two costs of the same rounds that
+each vary twofold differ where most rounds say so (``in_most_rounds``); a goal is met
+only where every round is below it by more than what a round resolves (``below_goal``).
 """
 
 from __future__ import annotations
@@ -175,15 +175,15 @@ def _change(above: int, below: int, rounds: int, every: bool) -> str | None:
 
 
 def paired_factor(
-    a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR, most: bool = False
+    a: Sequence[float], b: Sequence[float], smallest: float = SMALLEST_FACTOR, every: bool = True
 ) -> dict:
     """``b`` over ``a`` round by round (runs that took turns: a slow minute of the disk slows
     the round's runs alike), positive measurements. ``change`` is "more" where every round's
     factor is above ``smallest``, "less" where every round's is below ``1 / smallest``, else
     None: within noise (the rounds' factors reach within ``smallest`` of 1, or fall on both
-    sides: the spread of the effect crosses zero, or comes that close). With ``most``, most
-    rounds (over half) decide, as in ``in_most_rounds``: one round that a slow moment of
-    the machine hit alone does not undo the rest. ``factor``: the median of the rounds'
+    sides: the spread of the effect crosses zero, or comes that close). With ``every=False``,
+    most rounds (over half) decide, as in ``in_most_rounds``: one round that a slow moment
+    of the machine hit alone does not undo the rest. ``factor``: the median of the rounds'
     factors."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired measurements come one per round, not {a} and {b}")
@@ -191,7 +191,7 @@ def paired_factor(
         raise ValueError(f"a factor compares positive measurements, not {a} and {b}")
     factors = [y / x for x, y in zip(a, b, strict=True)]
     above, below = sum(f > smallest for f in factors), sum(f < 1 / smallest for f in factors)
-    change = _change(above, below, len(factors), every=not most)
+    change = _change(above, below, len(factors), every)
     return {"factors": factors, "factor": statistics.median(factors), "change": change}
 
 
@@ -199,12 +199,12 @@ def factor_cells(
     a: Sequence[float],
     b: Sequence[float],
     words: tuple[str, str] = ("faster", "slower"),
-    most: bool = False,
+    every: bool = True,
 ) -> list[str]:
-    """Two table cells comparing ``b`` with ``a`` (``paired_factor``, with ``most``): its
+    """Two table cells comparing ``b`` with ``a`` (``paired_factor``, with ``every``): its
     word (``words`` for more and less, or "within noise"), and "x1.33 (x1.18-x1.45 by
     round)"."""
-    found = paired_factor(a, b, most=most)
+    found = paired_factor(a, b, every=every)
     word = {"more": words[0], "less": words[1], None: "within noise"}[found["change"]]
     low, high = min(found["factors"]), max(found["factors"])
     return [word, f"x{found['factor']:.2f} (x{low:.2f}-x{high:.2f} by round)"]
