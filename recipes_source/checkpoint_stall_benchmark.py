@@ -531,13 +531,12 @@ stalls.goals_table(GOALS)
 # %%
 # Why steps slow down beside a save
 # ---------------------------------
-# Rank 0's step alone, then beside a helper on another core, after a warm-up: a process
-# that spins, copies or writes, or a thread of its own that copies as a stager does,
-# letting it run or holding its GIL. What a second of each costs, beside the saves'.
+# Rank 0's step without FSDP, on a quarter of the layers (the same work per layer), alone,
+# then beside a helper on another core: a process that spins, copies or writes, or a thread
+# copying as a stager does, letting it run or holding its GIL. What a second of each costs it:
 
-HELPERS_ON_RANK_0 = run_on_ranks(  # the model without FSDP: no collective
-    neighbors.beside_helpers, ToyModel, train_step, (BATCH, WIDTH), THREADS, WORK_DIR, ROUNDS
-)
+QUARTER = (neighbors.beside_helpers, functools.partial(ToyModel, depth=max(1, DEPTH // 4)))
+HELPERS_ON_RANK_0 = run_on_ranks(*QUARTER, train_step, (BATCH, WIDTH), THREADS, WORK_DIR, ROUNDS)
 HELPED = neighbors.summarize(HELPERS_ON_RANK_0[0])
 GOAL_S = GOALS[BEST]["overhead_s"]["goal"] * SUMMARY["dcp.save"]["overhead_s"]["median"]
 WHY = stalls.against_goal(SUMMARY, BEST, GOAL_S)
