@@ -1440,6 +1440,32 @@ def test_make_bench_run_again_lists_each_verdict_that_changed(tmp_path):
     assert printed.splitlines() == [f"verdicts in {after} against {before}:", *lines]
 
 
+def test_a_changed_verdict_shows_the_numbers_each_run_decided_it_from(tmp_path):
+    before, after = tmp_path / "bench-previous", tmp_path / "bench"
+    for directory, noise, word, factor in (
+        (before, False, "slower", "x0.85"),
+        (after, True, "within noise", "x0.93"),
+    ):
+        directory.mkdir()
+        overhead = {
+            "median": 0.6,
+            "values": [0.5 if not noise else 0.1, 0.6, 0.7],
+            "within_noise": noise,
+        }
+        values = {
+            "summary": {"a": {"overhead_s": overhead}},
+            "advice": [["sfpr", word, factor], ["crc", "faster", factor]],  # crc: same verdict
+        }
+        data = {"recipe": "page", "claims": {}, "values": values}
+        (directory / "page.json").write_text(json.dumps(data))
+    assert results.compare_verdicts(before, after) == [
+        "page: 1 of 3 verdicts the same, these differ:",
+        "  summary/a/overhead_s/within_noise: False (median 0.6, 0.5-0.7),"
+        " now True (median 0.6, 0.1-0.7)",
+        "  advice/sfpr: 'slower' (x0.85), now 'within noise' (x0.93)",
+    ]
+
+
 # --------------------------------------------------------------------------
 # checkpoint_stall_benchmark: observe.recording, timing, memory, disk, stats, stalls, figures
 # --------------------------------------------------------------------------

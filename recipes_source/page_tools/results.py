@@ -166,17 +166,25 @@ def verdicts(values: dict) -> dict[str, Any]:
     the page names the ``rival`` beside the best where no choice was made; its runner-up
     (``second``) beside a choice is the strategy whose median the page shows, unnamed:
     which of two near-equal strategies that was changed in 5 of 9 consecutive runs."""
+    return {path: verdict for path, (verdict, _) in _decisions(values).items()}
+
+
+def _decisions(values: dict) -> dict[str, tuple[Any, str | None]]:
+    """``verdicts``, each with the numbers the page decided it from where it records them
+    beside it (an advice row's numbers; a median and its rounds' range), else None."""
     found = {}
 
     def walk(value: Any, path: tuple) -> None:
         if isinstance(value, dict):
             for key, inner in value.items():
                 if key in VERDICT_KEYS and not isinstance(inner, dict | list):
-                    found["/".join((*path, key))] = inner
+                    found["/".join((*path, key))] = (inner, _numbers_beside(value))
                 else:
                     walk(inner, (*path, key))
         elif isinstance(value, list) and path == ("advice",):
-            found.update({f"advice/{row[0]}": row[1] for row in value})
+            found.update(
+                {f"advice/{row[0]}": (row[1], " ".join(map(str, row[2:])) or None) for row in value}
+            )
         elif isinstance(value, list):
             for index, inner in enumerate(value):
                 walk(inner, (*path, str(index)))
@@ -185,23 +193,40 @@ def verdicts(values: dict) -> dict[str, Any]:
     return found
 
 
+def _numbers_beside(entry: dict) -> str | None:
+    """An entry's median and its rounds' range ("median 0.42, 0.31-0.57"), where it has them."""
+    median, rounds = entry.get("median"), entry.get("values")
+    if not isinstance(median, int | float):
+        return None
+    spread = ""
+    if isinstance(rounds, list) and rounds and all(isinstance(v, int | float) for v in rounds):
+        spread = f", {min(rounds):.3g}-{max(rounds):.3g}"
+    return f"median {median:.3g}{spread}"
+
+
+def _verdict(found: dict, key: str) -> str:
+    return repr(found[key][0]) if key in found else "not recorded"
+
+
 def _shown(found: dict, key: str) -> str:
-    return repr(found[key]) if key in found else "not recorded"
+    numbers = found[key][1] if key in found else None
+    return _verdict(found, key) + (f" ({numbers})" if numbers else "")
 
 
 def compare_verdicts(before: Path, after: Path) -> list[str]:
     """Per results file in the directory ``after`` that ``before`` holds too: how many of
-    its verdicts are the same as there, and each one that is not (or is in one only)."""
+    its verdicts are the same as there, and each one that is not (or is in one only), with
+    the numbers each run decided it from: a verdict that changes sits near its line."""
     lines = []
     for path in sorted(Path(after).glob("*.json")):
         if not (Path(before) / path.name).exists():
             continue
-        old, new = (verdicts(read(d / path.name)["values"]) for d in (Path(before), Path(after)))
+        old, new = (_decisions(read(d / path.name)["values"]) for d in (Path(before), Path(after)))
         keys = list(dict.fromkeys([*old, *new]))  # both runs', in the order they lie
         changed = [
-            f"  {key}: {was}, now {now}"
+            f"  {key}: {_shown(old, key)}, now {_shown(new, key)}"
             for key in keys
-            if (was := _shown(old, key)) != (now := _shown(new, key))
+            if _verdict(old, key) != _verdict(new, key)
         ]
         summary = f"{path.stem}: {len(keys) - len(changed)} of {len(keys)} verdicts the same"
         lines += [summary + (", these differ:" if changed else ""), *changed]
