@@ -1447,11 +1447,7 @@ def test_a_changed_verdict_shows_the_numbers_each_run_decided_it_from(tmp_path):
         (after, True, "within noise", "x0.93"),
     ):
         directory.mkdir()
-        overhead = {
-            "median": 0.6,
-            "values": [0.5 if not noise else 0.1, 0.6, 0.7],
-            "within_noise": noise,
-        }
+        overhead = stats.summary([0.5 if not noise else 0.1, 0.6, 0.7]) | {"within_noise": noise}
         values = {
             "summary": {"a": {"overhead_s": overhead}},
             "advice": [["sfpr", word, factor], ["crc", "faster", factor]],  # crc: same verdict
@@ -1460,8 +1456,8 @@ def test_a_changed_verdict_shows_the_numbers_each_run_decided_it_from(tmp_path):
         (directory / "page.json").write_text(json.dumps(data))
     assert results.compare_verdicts(before, after) == [
         "page: 1 of 3 verdicts the same, these differ:",
-        "  summary/a/overhead_s/within_noise: False (median 0.6, 0.5-0.7),"
-        " now True (median 0.6, 0.1-0.7)",
+        "  summary/a/overhead_s/within_noise: False (median 0.6 (0.5-0.7)),"
+        " now True (median 0.6 (0.1-0.7))",
         "  advice/sfpr: 'slower' (x0.85), now 'within noise' (x0.93)",
     ]
 

@@ -24,6 +24,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from page_tools import stats
+
 RESULTS_DIR_ENV = "DCP_RECIPES_RESULTS_DIR"
 RECIPE_ENV = "DCP_RECIPES_RECIPE"  # as the launcher: a notebook has no script name
 CLAIMS_DIR = Path(__file__).parent / "claims"
@@ -194,14 +196,10 @@ def _decisions(values: dict) -> dict[str, tuple[Any, str | None]]:
 
 
 def _numbers_beside(entry: dict) -> str | None:
-    """An entry's median and its rounds' range ("median 0.42, 0.31-0.57"), where it has them."""
-    median, rounds = entry.get("median"), entry.get("values")
-    if not isinstance(median, int | float):
+    """An entry's ``stats.summary`` ("median 0.42 (0.31-0.57)"), where it has one."""
+    if not all(isinstance(entry.get(key), int | float) for key in ("min", "median", "max")):
         return None
-    spread = ""
-    if isinstance(rounds, list) and rounds and all(isinstance(v, int | float) for v in rounds):
-        spread = f", {min(rounds):.3g}-{max(rounds):.3g}"
-    return f"median {median:.3g}{spread}"
+    return f"median {stats.median_range(entry, '.3g')}"
 
 
 def _verdict(found: dict, key: str) -> str:
