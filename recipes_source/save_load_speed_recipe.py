@@ -116,7 +116,8 @@ def build_sharded_model(seed):
     return model, optimizer
 
 
-print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {4 * DEPTH * (WIDTH + 1) * WIDTH / 1e6:,.0f} MB")
+MODEL_BYTES = 4 * DEPTH * (WIDTH + 1) * WIDTH  # float32 weights and biases
+print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {MODEL_BYTES / 1e6:,.0f} MB")
 
 # %%
 # The limits: write, sync and read the checkpoint's bytes
@@ -402,7 +403,7 @@ with (
     ) as limit_runs,
     machine.memory_in_use_before(
         "timed",
-        2 * 4 * DEPTH * (WIDTH + 1) * WIDTH,
+        2 * MODEL_BYTES,
         lambda call: call.args[0] is save and "/round0/" not in call.args[2],
     ) as used,
 ):
@@ -473,7 +474,7 @@ figures.measured(
 # cold loads against the defaults', at the end).
 
 results.record("load_phases", profiled.by_rank)
-reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
+reads.phases_table(profiled, MODEL_BYTES)
 
 # %%
 # Where a save's time goes, with 4 threads and no CRC-32 (the median round), by the clock:
@@ -482,7 +483,7 @@ reads.phases_table(profiled, 4 * DEPTH * (WIDTH + 1) * WIDTH)
 # depends on the moment: below), and ``fsync`` waits for the disk.
 
 results.record("save_phases", saved.by_rank)
-reads.phases_table(saved, 4 * DEPTH * (WIDTH + 1) * WIDTH, "by the clock", reads.median_call)
+reads.phases_table(saved, MODEL_BYTES, "by the clock", reads.median_call)
 
 # %%
 # Why one save is fast and the same save slow a minute later
