@@ -5,7 +5,7 @@ How much does checkpointing stall training?
 A checkpoint costs a training job the time the loop waits for it (the *stall*),
 the speed steps lose while it is written in the background, and the host memory
 that holds a copy. This recipe trains one model with each saving strategy, at
-intervals from half to three times a save's time, next to the machine's limits.
+intervals from half to three times an upload's time, next to the machine's limits.
 Every number is a median over rounds in which the strategies take turns, with
 its spread; an effect that some round did not show is noise, never advice.
 
@@ -302,17 +302,18 @@ def starting_point(model, optimizer):
 # %%
 # How often to checkpoint
 # -----------------------
-# A background save is free only if the next one starts after it is on disk. A
-# save's time and a step's pick the interval: ``DefaultStager overlap`` at 0.5, 1,
-# 2 and 3 times a save's time, the others at 3 (``dcp.save``: 0.5; no checkpoint: 2).
+# A background save is free only if the next one starts after it is on disk. Its
+# upload's time (in the warm-up, ``DefaultStager overlap``'s from the call until durable,
+# beside 2 steps) and a step's pick the interval: ``DefaultStager overlap`` at 0.5, 1, 2
+# and 3 times it, the others at 2 (``dcp.save``: 0.5; no checkpoint: 2).
 
-MULTIPLES = (0.5, 1, 2, 3)  # checkpoint intervals, in multiples of a save's time
-HEADLINE_MULTIPLE, SWEPT = 3, ("DefaultStager overlap",)  # SWEPT: at every interval
+MULTIPLES = (0.5, 1, 2, 3)  # checkpoint intervals, in multiples of an upload's time
+HEADLINE_MULTIPLE, SWEPT = 2, ("DefaultStager overlap",)  # SWEPT: at every interval
 
 
-def steps_between_checkpoints(save_s, step_s, multiple=HEADLINE_MULTIPLE):
-    """The fewest steps that take at least ``multiple`` times a save's time."""
-    return max(1, math.ceil(multiple * save_s / step_s))
+def steps_between_checkpoints(upload_s, step_s, multiple=HEADLINE_MULTIPLE):
+    """The fewest steps that take at least ``multiple`` times an upload's time."""
+    return max(1, math.ceil(multiple * upload_s / step_s))
 
 
 def intervals_of(strategy, threads):
@@ -417,16 +418,16 @@ stalls.limits_table(LIMITS)
 
 
 def measured_intervals(warm_up):
-    """Steps per multiple, from the warm-up's dcp.save and its median step without one."""
+    """Steps per multiple, from the warm-up's upload and its median step without a save."""
     first = {r["strategy"]: r["segments"][0] for r in warm_up if r["threads"] == THREADS}
     step_s = statistics.median(t for t, _ in first["no checkpoint"]["steps"])
-    both = torch.tensor([first["dcp.save"]["stall_s"], step_s], dtype=torch.float64)
+    both = torch.tensor([first[SWEPT[0]]["wall_s"], step_s], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
-    save_s, step_s = both.tolist()
-    intervals = {m: steps_between_checkpoints(save_s, step_s, m) for m in MULTIPLES}
+    upload_s, step_s = both.tolist()
+    intervals = {m: steps_between_checkpoints(upload_s, step_s, m) for m in MULTIPLES}
     if dist.get_rank() == 0:
         every = ", ".join(f"{m}x {n}" for m, n in intervals.items())  # 88 columns at most
-        print(f"save {save_s:.3g} s, step {step_s:.3g} s; steps per interval: {every}")
+        print(f"upload {upload_s:.3g} s, step {step_s:.3g} s; steps per interval: {every}")
     return intervals
 
 
@@ -445,7 +446,7 @@ def benchmark(schedule, rounds):
         directory = os.path.join(CHECKPOINT_ROOT, f"round-{number}")
         for strategy, threads in schedule:
             multiples = intervals_of(strategy, threads) if number else (None,)
-            warm_up = 0 if strategy != "no checkpoint" else 3  # a first checkpoint; or 3 steps
+            warm_up = {"no checkpoint": 3, SWEPT[0]: 2}.get(strategy, 0)  # steps; 2: the upload's
             between = [intervals.get(multiple, warm_up) for multiple in multiples]
             name = f"{directory}/{strategy.replace(' ', '-').replace('/', '')}-{threads}-threads"
             paths = [f"{name}-{i}" for i in range(len(between))]
@@ -557,7 +558,7 @@ figures.save_beside(FIGURE, results.results_path())  # make bench: beside the re
 # The interval, swept
 # -------------------
 # ``DefaultStager overlap`` at every interval, over ``dcp.save``'s time and over
-# its own upload's. Pick yours: ``steps_between_checkpoints(save_s, step_s)``.
+# its own upload's. Pick yours: ``steps_between_checkpoints(upload_s, step_s)``.
 # Under ``torchrun``, with a core to spare, both thread budgets at 1x.
 
 KNOB_RUN = stalls.label("DefaultStager overlap", CORES_PER_RANK, THREADS)  # where it ran
@@ -567,7 +568,7 @@ figures.save_beside(SWEEP_FIGURE, results.results_path(), "sweep")
 stalls.sweep_table(SWEEP)
 
 # %%
-# Where the knob ran, both thread budgets at 1x a save's time: more where most rounds were.
+# Where the knob ran, both thread budgets at 1x an upload's time: more where most rounds were.
 
 AT_1X = stalls.at_interval(SWEEP, 1)
 KNOB = stalls.thread_knob(AT_1X, "DefaultStager overlap", THREADS, CORES_PER_RANK)

@@ -62,8 +62,9 @@ NEUTRAL = {
     "lost_per_background_s": None,
     "wall_s": None,
 }
-MULTIPLES = [0.5, 1, 2, 3]  # checkpoint intervals, in multiples of dcp.save's first checkpoint
-HEADLINE = 3  # about twice a background upload, or more
+MULTIPLES = [0.5, 1, 2, 3]  # checkpoint intervals, in multiples of the warm-up's upload
+HEADLINE = 2  # a real job's regime: twice the upload, or more
+UPLOAD_STEPS = 2  # beside the warm-up's upload (DefaultStager overlap's first checkpoint)
 KNOB_AT = 1  # the thread knob's runs
 BASELINE_AT = 2  # the run without checkpoints, at the default thread budget
 SWEPT = ["DefaultStager overlap"]
@@ -82,7 +83,7 @@ RUN_LINE = (
     r"^\[rank0\] (warm-up|round \d+) +(.+?) +threads (\d+), "
     r"(?:first save [\d.]+ s|stall [\d.]+ s, loss (\S+))$"
 )
-INTERVALS_LINE = r"^\[rank0\] save [\d.e+-]+ s, step [\d.e+-]+ s; steps per interval: (.+)$"
+INTERVALS_LINE = r"^\[rank0\] upload [\d.e+-]+ s, step [\d.e+-]+ s; steps per interval: (.+)$"
 
 
 # --------------------------------------------------------------------------
@@ -258,14 +259,16 @@ def check_results(results: dict, ranks: int) -> dict:
         assert all(r["memory_kept"] == (strategy in KEPT) for run in rounds for r in run)
         assert not any(r["memory_kept"] for r in runs["warmup"][name]), "its first: measured"
 
-    # The intervals: from the warm-up round, ceil(multiple x dcp.save's first checkpoint /
-    # a step without checkpoints), both the slowest rank's; the swept runs ran every one.
+    # The intervals: from the warm-up round, ceil(multiple x the upload / a step without
+    # checkpoints), both the slowest rank's; the upload: DefaultStager overlap's first
+    # checkpoint, from the call until durable, with steps beside it (the loop's own timing of
+    # the checkpoint, its steps and the wait after them); the swept runs ran every one.
     warmup = runs["warmup"]
-    save_s = max(r["segments"][0]["stall_s"] for r in warmup["dcp.save"])
+    upload_s = max(r["segments"][0]["wall_s"] for r in warmup[SWEPT[0]])
     step_s = max(
         statistics.median(t for t, _ in r["segments"][0]["steps"]) for r in warmup[STRATEGIES[0]]
     )
-    chosen = {str(m): max(1, math.ceil(m * save_s / step_s)) for m in MULTIPLES}
+    chosen = {str(m): max(1, math.ceil(m * upload_s / step_s)) for m in MULTIPLES}
     assert config["intervals"] == chosen
     in_rounds = [run for rounds in runs["runs"].values() for run in rounds]
     for run in in_rounds:
@@ -276,8 +279,8 @@ def check_results(results: dict, ranks: int) -> dict:
                 chosen[str(m)] for m in multiples
             ]
             assert all(len(s["steps"]) == s["steps_between"] for s in r["segments"])
-    for name, run in warmup.items():  # the first checkpoint alone; steps without one
-        steps = 0 if not name.startswith("no checkpoint") else 3
+    for name, run in warmup.items():  # the first checkpoint; steps without one
+        steps = {"no checkpoint": 3, SWEPT[0]: UPLOAD_STEPS}.get(name.split(" (")[0], 0)
         assert all([s["steps_between"] for s in r["segments"]] == [steps] for r in run), name
 
     # Every checkpoint: one per interval (in the warm-up, the first), its own path, saved
@@ -562,8 +565,8 @@ def test_the_page_shows_the_sweep_the_results_file_holds(build):
 @pytest.mark.download
 def test_download_computes_what_the_page_shows(recipe_runner):
     """The page's watches do not change the recipe: the same runs, in the same order, and,
-    where the download's warm-up chose the page's steps per interval (each run measures a
-    save's time over a step's, and they can fall on either side of a whole step), the same
+    where the download's warm-up chose the page's steps per interval (each run measures an
+    upload's time over a step's, and they can fall on either side of a whole step), the same
     losses, run by run."""
     output = assert_ok(recipe_runner.notebook_run(RECIPE, world_size=2))
     shown = "".join(page_outputs(RECIPE))
