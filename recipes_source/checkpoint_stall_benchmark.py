@@ -2,12 +2,11 @@
 How much does checkpointing stall training?
 ===========================================
 
-A checkpoint costs a training job the time the loop waits for it (the *stall*),
-the speed steps lose while it is written in the background, and the host memory
-that holds a copy. This recipe trains one model with each saving strategy, at
-intervals from half to three times an upload's time, next to the machine's limits.
-Every number is a median over rounds in which the strategies take turns, with
-its spread; an effect that some round did not show is noise, never advice.
+A checkpoint costs a training job the time the loop waits for it (the *stall*), the speed
+steps lose while it is written in the background, and the host memory that holds a copy.
+This recipe trains one model with each saving strategy, at intervals of half to three times
+an upload's time, next to the machine's limits. Every number is a median over rounds where
+the strategies take turns, with its spread; an effect some round did not show is noise.
 
 .. grid:: 2
 
@@ -146,17 +145,16 @@ def build_sharded_model(seed):
 # * ``dcp.save`` writes from the training tensors, and returns once they are on
 #   disk. ``async_save`` copies the state into host memory allocated per save, then writes
 #   that copy in a thread (a reused stager: :ref:`sphx_glr_recipes_async_save_recipe.py`).
-# * ``DefaultStager overlap`` copies during the next forward and backward pass,
-#   and the loop waits for it before ``optimizer.step()`` (safe: this forward
-#   pass changes no tensor of the state: :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
-# * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in DCP's own
-#   process, free of this one's GIL, from the shared memory the stager fills.
+# * ``DefaultStager overlap`` copies during the next forward and backward pass, and the
+#   loop waits for it before ``optimizer.step()`` (safe: this forward pass changes no tensor
+#   of the state: :ref:`sphx_glr_recipes_staging_pitfalls_recipe.py`).
+# * ``process writer`` (``AsyncCheckpointerType.PROCESS``) writes in DCP's own process,
+#   free of this one's GIL, from the shared memory the stager fills.
 # * ``direct I/O overlap``: the same overlap, no copy: DCP's thread writes the training
 #   tensors with ``O_DIRECT`` where they lie (``direct_io.py``; ``THP_MEM_ALLOC_ENABLE=1``).
-# * ``torch_checkpointing``'s ``CheckpointManager`` stages into shared memory in
-#   the background too and writes in its own process; ``lock()`` holds
-#   ``optimizer.step()`` until staging is done. CPU settings from its guide, no
-#   direct I/O (ext4 fails it); it never calls ``fsync``: a thread here does.
+# * ``torch_checkpointing``'s ``CheckpointManager`` stages into shared memory in the
+#   background and writes in its own process; ``lock()`` holds ``optimizer.step()`` until
+#   staged. CPU settings from its guide (no direct I/O: ext4 fails it); a thread here fsyncs.
 #
 # .. versionadded:: 2.9
 #    ``DefaultStager``, ``StagingOptions`` and the ``AsyncSaveResponse`` of a background stage.
@@ -302,10 +300,9 @@ def starting_point(model, optimizer):
 # %%
 # How often to checkpoint
 # -----------------------
-# A background save is free only if the next one starts after it is on disk. Its
-# upload's time (in the warm-up, ``DefaultStager overlap``'s from the call until durable,
-# beside 2 steps) and a step's pick the interval: ``DefaultStager overlap`` at 0.5, 1, 2
-# and 3 times it, the others at 2 (``dcp.save``: 0.5; no checkpoint: 2).
+# A background save is free only if the next one starts after it is on disk. The upload's
+# time (the warm-up's ``DefaultStager overlap``, call to disk, beside 2 steps) and a step's
+# pick the interval: it at 0.5, 1, 2 and 3 times that, the others at 2 (``dcp.save``: 0.5).
 
 MULTIPLES = (0.5, 1, 2, 3)  # checkpoint intervals, in multiples of an upload's time
 HEADLINE_MULTIPLE, SWEPT = 2, ("DefaultStager overlap",)  # SWEPT: at every interval
@@ -327,9 +324,9 @@ def intervals_of(strategy, threads):
 # %%
 # The training loop with checkpoints
 # ----------------------------------
-# A checkpoint, the steps of one interval, at most one checkpoint in flight, a
-# wait for staging before ``optimizer.step()``, a gloo group for checkpoints; a
-# step *overlaps* a save that was not yet durable when it began.
+# A checkpoint, the steps of one interval, at most one checkpoint in flight, a wait for
+# staging before ``optimizer.step()``, a gloo group for checkpoints; a step *overlaps* a
+# save that was not yet durable when it began. The loop notes when each save is on disk.
 
 
 def train_with_checkpoints(strategy, threads, paths, intervals, training):
@@ -347,7 +344,7 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
     saving, segments, losses = strategy != "no checkpoint", [], []
     dist.barrier(group)  # every rank starts the timed loop together
     for path, steps_between in zip(paths, intervals, strict=True):
-        began, staging, upload = time.perf_counter(), None, None
+        began, staging, upload, durable = time.perf_counter(), None, None, []
         if saving:
             turn_s = sys.getswitchinterval()  # Python's default: 0.005
             sys.setswitchinterval(0.0005)  # short GIL turns while the call starts threads
@@ -355,6 +352,8 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
                 staging, upload = start_checkpoint(strategy, state_dict, path, group, stager)
             finally:
                 sys.setswitchinterval(turn_s)  # the steps' turns again, even after an error
+        if upload is not None:  # when it is on disk: how far apart checkpoints must be
+            upload.add_done_callback(lambda _, at=durable: at.append(time.perf_counter()))
         stall, steps = time.perf_counter() - began, []
         for _ in range(steps_between):
             overlapped = upload is not None and not upload.done()
@@ -365,7 +364,9 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
             losses.append(loss.item())
         stall += waited(upload)  # on disk before the next checkpoint: one in flight at most
         wall = time.perf_counter() - began
+        on_disk = durable[0] if durable else time.perf_counter()  # its callback may come later
         segments.append(dict(steps_between=steps_between, stall_s=stall, steps=steps, wall_s=wall))
+        segments[-1]["upload_s"] = on_disk - began if upload is not None else None  # the call on
     if isinstance(stager, DefaultStager | AlignedStager):
         stager.close()
     dist.destroy_process_group(group)
@@ -375,11 +376,10 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
 # %%
 # Thread budget, and memory a step frees
 # --------------------------------------
-# A background writer needs CPU time while training runs: training's ``set_num_threads``
-# leaves it the other cores, if any (the table counts them; under ``torchrun``, a knob too).
-# Each rank keeps the blocks glibc's ``malloc`` would hand back (FSDP's all-gathers, to
-# fault in at every step). A save's call waits for the GIL at each thread it starts:
-# turns of 0.5 ms instead of Python's 5 while the call runs, and 5 again for the steps.
+# A background writer needs CPU time: training's ``set_num_threads`` leaves it the other
+# cores, if any (the table counts them; under ``torchrun``, a knob too). Each rank keeps the
+# blocks glibc's ``malloc`` would hand back (FSDP's all-gathers, to fault in every step). A
+# save's call waits for the GIL at each thread it starts: turns of 0.5 ms, not 5, meanwhile.
 
 
 def keep_freed_host_memory(largest_block=32 << 20):
@@ -421,7 +421,7 @@ def measured_intervals(warm_up):
     """Steps per multiple, from the warm-up's upload and its median step without a save."""
     first = {r["strategy"]: r["segments"][0] for r in warm_up if r["threads"] == THREADS}
     step_s = statistics.median(t for t, _ in first["no checkpoint"]["steps"])
-    both = torch.tensor([first[SWEPT[0]]["wall_s"], step_s], dtype=torch.float64)
+    both = torch.tensor([first[SWEPT[0]]["upload_s"], step_s], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
     upload_s, step_s = both.tolist()
     intervals = {m: steps_between_checkpoints(upload_s, step_s, m) for m in MULTIPLES}

@@ -261,10 +261,10 @@ def check_results(results: dict, ranks: int) -> dict:
 
     # The intervals: from the warm-up round, ceil(multiple x the upload / a step without
     # checkpoints), both the slowest rank's; the upload: DefaultStager overlap's first
-    # checkpoint, from the call until durable, with steps beside it (the loop's own timing of
-    # the checkpoint, its steps and the wait after them); the swept runs ran every one.
+    # checkpoint, from the call until durable (the loop's own timing), with steps beside it;
+    # the swept runs ran every one.
     warmup = runs["warmup"]
-    upload_s = max(r["segments"][0]["wall_s"] for r in warmup[SWEPT[0]])
+    upload_s = max(r["segments"][0]["upload_s"] for r in warmup[SWEPT[0]])
     step_s = max(
         statistics.median(t for t, _ in r["segments"][0]["steps"]) for r in warmup[STRATEGIES[0]]
     )
@@ -293,6 +293,16 @@ def check_results(results: dict, ranks: int) -> dict:
         assert all(r["checkpoints"] == run[0]["checkpoints"] for r in run), "one path, all ranks"
         for r in run:
             assert all(s["called"] <= s["returned"] <= s["durable"] for s in r["saves"])
+        # The loop's time to disk, from before its call: the watch's (called inside the call,
+        # told first of the upload's end), and a little more; none without an upload
+        for r in run:
+            uploads = [s["upload_s"] for s in r["segments"]]
+            if run[0]["strategy"] in ("no checkpoint", "dcp.save"):
+                assert uploads == [None] * len(uploads)
+                continue
+            watched = [s["durable"] - s["called"] for s in r["saves"]]
+            assert all(w <= u < w + 0.1 for u, w in zip(uploads, watched, strict=True)), (
+                run[0]["strategy"], uploads, watched)  # fmt: skip
     assert len(set(written)) == len(written) // ranks, "no run wrote over another's checkpoint"
     complete = claims["every-checkpoint-complete"]["evidence"]
     assert complete["checkpoints"] == complete["checked_on_disk"] == len(set(written))

@@ -5,7 +5,8 @@ after a warm-up round, every run from the same starting point. A run checkpoints
 or more intervals (``multiples`` of an upload's time, ``steps_between`` steps each); per
 interval a *segment*: a checkpoint, that many steps, and the wait until it is durable.
 Each run returns, on every rank, its ``segments`` (``stall_s``: what the loop waited;
-``steps``: each step's seconds and whether a save was in flight; ``wall_s``) and every
+``steps``: each step's seconds and whether a save was in flight; ``wall_s``; ``upload_s``:
+from before the call until its save was on disk, None for a save that blocks) and every
 step's loss (``losses``). In the warm-up round, a run checkpoints once, the strategy's
 first checkpoint (with no steps, or a few beside it: the page's choice).
 ``collect`` joins those with what the page watched (when each checkpoint became durable:
