@@ -1259,12 +1259,14 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
     ``_static/measured``), recomputed from its raw runs by this build's ``page_tools``, as
     the page computes its own (the run may predate a change in how a metric is computed):
     where it ran, then per strategy its stall and total overhead at the page's headline
-    interval (its longest), over ``dcp.save``'s, and the goals' verdicts for the strategies
+    interval (the one its headline names; in a file from before it did, the longest, in
+    multiples of a save's time), over ``dcp.save``'s, and the goals' verdicts for the strategies
     the run set them for (since the page sets them for the one it recommends: that one)."""
     stalls, shown = page_tool(confdir, "stalls"), page_tool(confdir, "stats").shown_entry
     values = json.loads(Path(confdir, relative).read_text())["values"]
     config, machine, headline = values["config"], values["machine"], values["headline"]
-    multiple = max(config["intervals"], key=float)
+    multiple = str(headline.get("interval_multiple", max(config["intervals"], key=float)))
+    unit = "the upload's time" if "interval_multiple" in headline else "a save's time"
     summary = stalls.summarize(values["runs"]["runs"], float(multiple))
     names = list(values["ratios"])  # the strategies that checkpoint
     ratios = stalls.ratios(summary, names, values["limits"]["copy_s"])
@@ -1280,7 +1282,7 @@ def gpu_results_rst(confdir: str | os.PathLike, relative: str) -> str:
         f"``{machine['torch']}``; a {config['checkpoint_gb']} GB checkpoint, "
         f"{config['world_size']} rank(s) under {config['launcher']}, "
         f"{config['rounds']} rounds after a warm-up, a checkpoint every "
-        f"{config['intervals'][multiple]} steps ({multiple}x a save's time)."
+        f"{config['intervals'][multiple]} steps ({multiple}x {unit})."
     )
     rows = []
     for name in names:

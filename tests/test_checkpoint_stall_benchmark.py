@@ -457,6 +457,7 @@ def check_results(results: dict, ranks: int) -> dict:
     )
     assert (headline["stall_goal"], headline["overhead_goal"]) == (0.02, 0.05)
     assert headline["training_threads"] == threads
+    assert headline["interval_multiple"] == HEADLINE
 
     # Why steps slow down: each helper's rounds give its slow-down (it holds the step back
     # where the step beside it took over 2x each step alone around it, in every round), its speed

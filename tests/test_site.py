@@ -263,6 +263,19 @@ def test_the_gpu_page_shows_a_gpu_runs_numbers_recomputed_from_its_raw_rounds(si
     assert any(href.endswith(Path(kept).name) for href in links), links
 
 
+def test_a_gpu_file_shows_the_interval_its_headline_names_in_its_unit(tmp_path):
+    """A results file whose headline names its interval (a multiple of the upload's time) is
+    shown at that interval; one from before, at its longest, of a save's time."""
+    kept = "_static/measured/checkpoint_stall_benchmark-h200.json"
+    results = json.loads((ROOT / kept).read_text())
+    steps = results["values"]["config"]["intervals"]["4"]
+    assert f"{steps} steps (4x a save's time)." in dcp_site.gpu_results_rst(ROOT, kept)
+    results["values"]["headline"]["interval_multiple"] = 4
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps(results))
+    assert f"{steps} steps (4x the upload's time)." in dcp_site.gpu_results_rst(ROOT, named)
+
+
 def test_versionadded_renders_where_used(site):
     used = {}
     for source in RECIPE_SOURCES:

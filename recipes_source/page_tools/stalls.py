@@ -987,16 +987,24 @@ def first_checkpoints_table(collected: dict, names: Sequence[str]) -> figures.Ta
     )
 
 
-def headline(found_ratios: dict, found_goals: dict, strategy: str, **numbers: float) -> dict:
+def headline(
+    found_ratios: dict,
+    found_goals: dict,
+    strategy: str,
+    training_threads: int,
+    interval_multiple: float,
+) -> dict:
     """The page's headline numbers: ``strategy``'s stall and total overhead over dcp.save's,
-    the goals, and ``numbers`` (the thread budget, the size)."""
+    the goals, the thread budget, and the interval they were measured at (a multiple of
+    the upload's time)."""
     return {
         "strategy": strategy,
         "stall_vs_dcp_save": found_ratios[strategy]["stall_vs_dcp_save"],
         "overhead_vs_dcp_save": found_ratios[strategy]["overhead_vs_dcp_save"],
         "stall_goal": found_goals["stall_per_checkpoint_s"]["goal"],
         "overhead_goal": found_goals["overhead_s"]["goal"],
-        **numbers,
+        "training_threads": training_threads,
+        "interval_multiple": interval_multiple,
     }
 
 
