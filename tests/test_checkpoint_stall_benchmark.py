@@ -59,14 +59,15 @@ NEUTRAL = {
     "overhead_s": 0.0,
     "extra_memory_mb": 0.0,
     "time_until_durable_s": None,
+    "interval_vs_upload": None,
     "lost_per_background_s": None,
     "wall_s": None,
 }
-MULTIPLES = [0.5, 1, 2, 3]  # checkpoint intervals, in multiples of the warm-up's upload
-HEADLINE = 2  # a real job's regime: twice the upload, or more
+MULTIPLES = [0.5, 1, 1.5, 2.5]  # checkpoint intervals, in multiples of the warm-up's upload
+HEADLINE = 2.5  # a real job's regime: twice every strategy's upload, or more
 UPLOAD_STEPS = 2  # beside the warm-up's upload (DefaultStager overlap's first checkpoint)
 KNOB_AT = 1  # the thread knob's runs
-BASELINE_AT = 2  # the run without checkpoints, at the default thread budget
+BASELINE_AT = 1.5  # the run without checkpoints, at the default thread budget
 SWEPT = ["DefaultStager overlap"]
 ANY_INTERVAL = ["no checkpoint", "dcp.save"]  # costs no interval changes: run at one only
 BACKGROUND = [
@@ -175,10 +176,15 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
             else None
         ),
         "lost_per_background_s": None,  # a save that blocks until durable has no background
+        "interval_vs_upload": None,
         "wall_s": wall,
         "step_s": step,
         "overlapped_steps": max(sum(over for _, over in s["steps"]) for s in segments),
     }
+    if saving:  # the interval's steps at the baseline's pace, over the time to disk
+        per_step = max(b["wall_s"] for b in base) / base[0]["steps_between"]
+        interval = per_step * segments[0]["steps_between"]
+        found["interval_vs_upload"] = interval / found["time_until_durable_s"]
     if saving and found["time_until_durable_s"] > found["stall_per_checkpoint_s"]:
         beyond = found["overhead_s"] - found["stall_per_checkpoint_s"]
         background = found["time_until_durable_s"] - found["stall_per_checkpoint_s"]

@@ -61,11 +61,13 @@ METRICS = {
     "overhead_s": ("total overhead: stall and slower steps", "+.3g", " s", 0.0),
     "extra_memory_mb": ("extra peak host memory per rank", "+.0f", " MB", 0.0),
     "time_until_durable_s": ("time from save call until durable", ".3g", " s", None),
+    # a real job's regime: 2x or more (the interval's steps without a save, over that time)
+    "interval_vs_upload": ("interval over that time", ".3g", "x", None),
     "lost_per_background_s": ("step time lost per s, from stall to durable", ".3g", " s", None),
     "wall_s": ("wall time of the interval", ".3g", " s", None),
 }
 
-TIMES = ["stall_per_checkpoint_s", "time_until_durable_s"]  # per checkpoint
+TIMES = ["stall_per_checkpoint_s", "time_until_durable_s", "interval_vs_upload"]  # per checkpoint
 # A total overhead no larger than this share of one step (the round's reference step), in
 # some round, is within noise. Overhead is measured in step times, and a step's time is
 # not known closer than that: without any checkpoint, the first step of an interval ran
@@ -439,6 +441,7 @@ def metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict[str,
         if run[0].get("memory_kept")
         else extra_memory_mb(run, baseline),
         "time_until_durable_s": durable,
+        "interval_vs_upload": base_wall / durable if saving else None,
         # what the steps lost per second the save ran beside them (none for a blocking save)
         "lost_per_background_s": (total - stall) / background if background > 0 else None,
         "wall_s": wall,
@@ -504,7 +507,7 @@ def sweep(
                 for i, run in enumerate(runs[name])
             ]
             ratios = [m["interval_s"] / save for m, save in zip(per_round, saves, strict=True)]
-            own = [m["interval_s"] / m["time_until_durable_s"] for m in per_round]
+            own = [m["interval_vs_upload"] for m in per_round]
             found[name][str(multiple)] = {
                 "steps_between": _segment(runs[name][0][0], multiple)[1]["steps_between"],
                 "interval_vs_save": statistics.median(ratios),
