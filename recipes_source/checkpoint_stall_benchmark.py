@@ -366,7 +366,7 @@ def train_with_checkpoints(strategy, threads, paths, intervals, training):
         wall = time.perf_counter() - began
         on_disk = durable[0] if durable else time.perf_counter()  # its callback may come later
         segments.append(dict(steps_between=steps_between, stall_s=stall, steps=steps, wall_s=wall))
-        segments[-1]["upload_s"] = on_disk - began if upload is not None else None  # the call on
+        segments[-1]["upload_s"] = on_disk - began if upload is not None else None  # call to disk
     if isinstance(stager, DefaultStager | AlignedStager):
         stager.close()
     dist.destroy_process_group(group)
