@@ -64,7 +64,7 @@ NEUTRAL = {
     "wall_s": None,
 }
 MULTIPLES = [0.5, 1, 1.5, 2.5]  # checkpoint intervals, in multiples of the warm-up's upload
-HEADLINE = 2.5  # a real job's regime: twice every strategy's upload, or more
+HEADLINE = 2.5  # a real job's regime: 2x the upload or more, with room for a slower strategy
 UPLOAD_STEPS = 2  # beside the warm-up's upload (DefaultStager overlap's first checkpoint)
 KNOB_AT = 1  # the thread knob's runs
 BASELINE_AT = 1.5  # the run without checkpoints, at the default thread budget
