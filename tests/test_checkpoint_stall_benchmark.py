@@ -181,10 +181,11 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
         "step_s": step,
         "overlapped_steps": max(sum(over for _, over in s["steps"]) for s in segments),
     }
-    if saving:  # the interval's steps at the baseline's pace, over the time to disk
-        per_step = max(b["wall_s"] for b in base) / base[0]["steps_between"]
-        interval = per_step * segments[0]["steps_between"]
-        found["interval_vs_upload"] = interval / found["time_until_durable_s"]
+    # the interval: its steps at the pace of its round's baseline (its own thread budget)
+    per_step = max(b["wall_s"] for b in base) / base[0]["steps_between"]
+    found["interval_s"] = per_step * segments[0]["steps_between"]
+    if saving:  # over the time to disk
+        found["interval_vs_upload"] = found["interval_s"] / found["time_until_durable_s"]
     if saving and found["time_until_durable_s"] > found["stall_per_checkpoint_s"]:
         beyond = found["overhead_s"] - found["stall_per_checkpoint_s"]
         background = found["time_until_durable_s"] - found["stall_per_checkpoint_s"]
@@ -200,7 +201,7 @@ def recompute(runs: dict, multiple: float = HEADLINE) -> dict:
                 run_metrics(run, runs[baseline_label(name)][i], multiple)[metric]
                 for i, run in enumerate(rounds)
             ]
-            for metric in [*NEUTRAL, "step_s", "overlapped_steps"]
+            for metric in [*NEUTRAL, "step_s", "overlapped_steps", "interval_s"]
         }
         for name, rounds in runs.items()
         if covers(rounds[0], multiple)
@@ -391,18 +392,10 @@ def check_results(results: dict, ranks: int) -> dict:
             noise = entry["stall_per_checkpoint_s"]["within_noise"]
             assert noise == within_noise(raw["stall_per_checkpoint_s"], 0.0)
             assert entry["overhead_s"]["within_noise"] == overhead_within_noise(raw)
-            ratios, own = [], []
-            for i in range(config["rounds"]):
-                baseline = runs["runs"][baseline_label(name)][i]  # its own thread budget
-                per_step = max(r["segments"][0]["wall_s"] for r in baseline)
-                per_step /= baseline[0]["segments"][0]["steps_between"]
-                save = run_metrics(
-                    runs["runs"]["dcp.save"][i], runs["runs"][STRATEGIES[0]][i], HEADLINE
-                )
-                interval = per_step * chosen[str(multiple)]
-                ratios.append(interval / save["time_until_durable_s"])
-                own.append(interval / raw["time_until_durable_s"][i])
+            saves = recompute(runs["runs"])["dcp.save"]["time_until_durable_s"]
+            ratios = [i / save for i, save in zip(raw["interval_s"], saves, strict=True)]
             assert entry["interval_vs_save"] == pytest.approx(statistics.median(ratios))
+            own = raw["interval_vs_upload"]
             assert entry["interval_vs_upload"] == pytest.approx(statistics.median(own))
 
     # The limits: the slowest rank's, and one copy of a rank's share.
