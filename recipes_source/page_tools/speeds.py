@@ -86,12 +86,16 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     load GB/s of each knob in ``loads``; planning with plan caching; and the lowest rank
     writing every replicated tensor (``replicated``: the page's replicated section). Each
     against the defaults of its own round (``stats.factor_cells``): a change only where
-    most rounds' factors (2 of 3) are beyond ``stats.SMALLEST_FACTOR``. Not every round's:
+    most rounds' factors (over half: 4 of make bench's 6) are beyond
+    ``stats.SMALLEST_FACTOR``. Not every round's:
     with each save's memory in use a moment before (``machine.memory_in_use_before``), a
     save's torch.save + write still took 3 to 9 times as long in some rounds (4 of the 32
     profiled saves of 8 runs), and one such round turned "faster" to "within noise".
     Replayed on those 4 runs (their first 3 rounds, then their last 3), two runs agreed
-    on 15.2 and 13.8 of the 17 verdicts on average, with every round on 11.5 and 12.2."""
+    on 15.2 and 13.8 of the 17 verdicts on average, with every round on 11.5 and 12.2.
+    Where a knob's effect lies near 10% (``single_file_per_rank=False``, torch_checkpointing:
+    x0.76-0.96 and x0.94-1.26 by median in 8 make bench runs at 512 MB), more rounds decide
+    it more often alike; hence make bench's 6 (Makefile)."""
     defaults = knobs["defaults"]
 
     def cells(a: Sequence[float], b: Sequence[float], words=("faster", "slower")) -> list[str]:
