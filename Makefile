@@ -131,8 +131,9 @@ serve: $(READY)
 # The last run's results move to $(BUILD)/bench-previous; a run that has them ends by
 # comparing its verdicts with theirs: two runs on one machine should reach the same ones.
 # The speed page runs 6 rounds at 256 MB, in about the time 3 took at 512 MB: on 2026-12-06
-# here, three runs each way, the advice's 14 verdicts agreed on 12.7 on average between
-# two runs at 256 MB with 6 rounds, 11.6 with 3, and 10.7 and 10.1 at 512 MB.
+# here, three 6-round runs at each size, the advice's 14 verdicts agreed on 12.7 on average
+# between two runs at 256 MB and 10.7 at 512 MB; with 3 rounds (each run's first 3, and
+# its last 3), on 11.6 and 10.1.
 bench: $(READY)
 	rm -rf $(BUILD)/bench-previous && if [ -d $(BUILD)/bench ]; then mv $(BUILD)/bench $(BUILD)/bench-previous; fi
 	DCP_RECIPES_BENCH=1 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py

@@ -95,7 +95,8 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     on 15.2 and 13.8 of the 17 verdicts on average, with every round on 11.5 and 12.2.
     Where a knob's effect lies near 10% (``single_file_per_rank=False``, torch_checkpointing:
     x0.76-0.96 and x0.94-1.26 by median in 8 make bench runs at 512 MB), more rounds decide
-    it more often alike; hence make bench's 6 (Makefile)."""
+    it more often alike, and so did a smaller checkpoint: hence make bench's 6 rounds at
+    256 MB (the Makefile says how often two runs agreed)."""
     defaults = knobs["defaults"]
 
     def cells(a: Sequence[float], b: Sequence[float], words=("faster", "slower")) -> list[str]:
