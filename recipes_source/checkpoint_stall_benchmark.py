@@ -498,8 +498,8 @@ SUMMARY = results.record("summary", stalls.summarize(RUNS["runs"], HEADLINE_MULT
 stalls.summary_table(SUMMARY, STRATEGIES[1:], stalls.TIMES)
 
 # %%
-# Costs to training, against the run's own steps that overlapped no save (their lower
-# quartile): the median step that overlapped one over that; the stall plus what those
+# Costs to training, against the run's own steps that overlapped no save (their
+# median): the median step that overlapped one over that; the stall plus what those
 # steps took beyond it (total overhead), and per second from the stall to durable; peak
 # host memory over the run without one's, in whole MB. An effect is noise where most rounds
 # showed none, an overhead where most rounds' was a tenth of a step or less (the caption).

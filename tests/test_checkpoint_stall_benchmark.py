@@ -123,9 +123,9 @@ def quiet_elsewhere(rank_run: dict, index: int, base: dict) -> tuple[list[float]
     return (quiet, True) if quiet else ([t for t, _ in base["steps"]], False)
 
 
-def lower_quartile(seconds: list[float]) -> float:
-    """A step beside no save: sorted, the one a quarter of the way up (rounding down)."""
-    return sorted(seconds)[(len(seconds) - 1) // 4]
+def typical_step(seconds: list[float]) -> float:
+    """A step beside no save: the median of such steps."""
+    return statistics.median(seconds)
 
 
 def with_elsewhere(own: list[float], elsewhere: list[tuple[list[float], bool]]) -> list[float]:
@@ -137,10 +137,10 @@ def with_elsewhere(own: list[float], elsewhere: list[tuple[list[float], bool]]) 
 
 
 def overhead_of(segment: dict, elsewhere: tuple[list[float], bool]) -> float:
-    """A rank's stall plus its overlapped steps' time beyond the lower quartile of its steps
+    """A rank's stall plus its overlapped steps' time beyond the median of its steps
     that overlapped no save (``with_elsewhere``)."""
     quiet = [t for t, over in segment["steps"] if not over]
-    reference = lower_quartile(with_elsewhere(quiet, [elsewhere]))
+    reference = typical_step(with_elsewhere(quiet, [elsewhere]))
     overlapped = [t for t, over in segment["steps"] if over]
     return segment["stall_s"] + sum(overlapped) - reference * len(overlapped)
 
@@ -158,7 +158,7 @@ def run_metrics(run: list[dict], baseline: list[dict], multiple: float) -> dict:
     elsewhere = [quiet_elsewhere(r, index, b) for r, b in zip(run, base, strict=True)]
     overlapped = [t for s in segments for t, over in s["steps"] if over]
     quiet = [t for s in segments for t, over in s["steps"] if not over]
-    step = lower_quartile(with_elsewhere(quiet, elsewhere))  # a step beside no save
+    step = typical_step(with_elsewhere(quiet, elsewhere))  # a step beside no save
     saving = bool(run[0]["checkpoints"])
     wall = max(s["wall_s"] for s in segments)
     found = {

@@ -17,7 +17,7 @@ interval, against the run without checkpoints of the same round and thread budge
 
 * *stall per checkpoint*: the slowest rank's wait;
 * *slow-down of steps that overlap a save*: their median over a step beside no save: the
-  lower quartile of the run's own steps that overlapped none (``quiet_step``; where fewer
+  median of the run's own steps that overlapped none (``quiet_step``; where fewer
   than ``FEWEST_QUIET_STEPS`` did, with the run's other intervals'; where none did and no
   other interval has any, the baseline's: ``beside_no_save``);
 * *total overhead*: the stall plus what the steps that overlapped a save took beyond that
@@ -75,9 +75,9 @@ TIMES = ["stall_per_checkpoint_s", "time_until_durable_s", "interval_vs_upload"]
 # the other two, 28% and 30%, a hiccup of the machine). Direct I/O's overhead is one such
 # step's: at 5% of a step it read "effect" in 2 of 10 runs and "noise" in the rest; at
 # 10%, "noise" in 11 of 12 (run 36: all three rounds 0.12-0.20 s, above its 0.115 s).
-# Decided by most rounds (``stats.effect``), it read "effect" in 2 of 7 later runs, the
-# two in which the first step without a save also strayed most (0.13-0.41 s, in one
-# round each): 0.16-0.24 s in two rounds of each, beside 0.12-0.13 s.
+# Decided by most rounds (``stats.effect``), it read "effect" in 3 of 8 later runs against
+# the quiet steps' lower quartile, in 1 against their median (``quiet_step``): run 9,
+# 0.16 and 0.19 s in two rounds, beside 0.12 s, its step slower than any quiet one.
 STEP_RESOLUTION = 0.10
 # waits the loop timed itself: compared as factors, noise only where a round waited none
 WAITS = ("stall_per_checkpoint_s",)
@@ -346,18 +346,20 @@ FEWEST_QUIET_STEPS = 3
 
 
 def quiet_step(seconds: Sequence[float]) -> float:
-    """A step beside no save, from the times of such steps: their lower quartile (sorted,
-    the one a quarter of the way up, rounding down; of three or fewer, the fastest). A
-    shared machine's noise only slows a step, and it can slow half of them: in one round of
-    make bench (run 39), 4 of the 7 steps after DefaultStager's save was durable ran
-    0.08-0.17 s slower than the first of them (1.12 s); their median, 1.20 s, read its 3
-    overlapped steps' overhead as 0.047 s (its other rounds: 0.33 and 0.45 s), and the
-    overhead "within noise"; their lower quartile, 1.17 s, reads 0.13 s. Not the fastest
-    of them: each overlapped step would then count the quiet steps' own spread as cost."""
-    ordered = sorted(seconds)
-    if not ordered:
+    """A step beside no save, from the times of such steps: their median. The machine's
+    noise slows the steps that overlap a save as often as those that do not, so the
+    reference is the typical quiet step, not a fast one: in the runs without a checkpoint
+    of 8 make bench runs (123 steps), a step was 0.049 s above the lower quartile of the
+    others in its interval on average (0.022 s by median), 0.011 s above their median
+    (0.002 s). Against the lower quartile, as before, every overlapped step counted that
+    as cost: direct I/O's one step read "effect" in 3 of those 8 runs (most rounds over a
+    tenth of a step), "noise" in 5; against the median, "effect" in 1, and no other
+    verdict changed. The lower quartile was chosen when one round decided: in make bench
+    run 39, 4 of 7 quiet steps ran slow and read one round's overhead 0.047 s (its other
+    rounds 0.33 and 0.45 s); most rounds (``stats.effect``) now decide."""
+    if not seconds:
         raise ValueError("no step beside no save")
-    return ordered[(len(ordered) - 1) // 4]
+    return statistics.median(seconds)
 
 
 def beside_no_save(own: list[float], fallbacks: Sequence[dict]) -> list[float]:
@@ -377,7 +379,7 @@ def overhead(segment: dict, baseline_segment: dict) -> float:
     ``FEWEST_QUIET_STEPS``, or ``baseline_segment``'s where it has none (``beside_no_save``;
     a save outlasting the interval: ``reference_segment``). Steps after the save is durable
     are the reference, not steps of a run minutes away, on a machine whose speed drifts
-    more than a save costs; a quartile, not a mean: one quiet step that a hiccup of the
+    more than a save costs; a median, not a mean: one quiet step that a hiccup of the
     machine slowed would raise a mean of seven by a seventh of its delay, for each
     overlapped step (one bench: 1.31 s among quiet steps of 1.13 s made a 0.04 s overhead
     read -0.02 s)."""
