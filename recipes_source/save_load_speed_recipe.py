@@ -35,7 +35,7 @@ a fraction of those limits; and it saves a replicated (DDP) model.
 # Setup
 # -----
 # ``SIZE_MB``: the checkpoint's size, all ranks together (use yours); ``REPEATS``:
-# rounds, each variant once in turn (A B C ... A B C ...), after a warm-up round.
+# rounds, each variant once in turn (A B C, B C A, C A B ...), after a warm-up round.
 # The file runs as it is under ``torchrun`` (``make bench`` runs it so: 256 MB, 6 rounds).
 
 import gc
@@ -340,9 +340,9 @@ def timed(collective, *args, **kwargs):
 
 
 # %%
-# Each round saves the model with every knob, loads each checkpoint cold, then
-# warm, into the same model, and removes it. GB/s: all of the checkpoint's
-# bytes over the slowest rank's time. Round 0 warms up and is not kept.
+# Each round saves the model with every knob, loads each checkpoint cold, then warm, into the
+# same model, and removes it; it starts one knob later than the round before (its first save
+# follows the probe). GB/s: the checkpoint's bytes over the slowest rank's time. Round 0 warms up.
 
 
 def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
@@ -354,7 +354,9 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
     for round_number in range(repeats + 1):  # round 0 also fills the plan cache
         gc.collect()  # untimed: a full collection walks every object alive, slowly
         gc.freeze()  # so none does inside a timed save or load: what lives is left alone
-        for name, options in knobs.items():
+        turn = round_number % len(knobs)  # A B C, then B C A, ...
+        in_turn = [*knobs.items()][turn:] + [*knobs.items()][:turn]
+        for position, (name, options) in enumerate(in_turn):
             folder = name.replace("=", "-").replace(", ", "-").replace(" ", "-")
             path = os.path.join(checkpoint_root, f"round{round_number}", folder)
             seconds = [timed(save, model, path, **options)]
@@ -368,21 +370,20 @@ def save_and_load_every_way(checkpoint_root, repeats, knobs=SAVE_OPTIONS):
             if round_number > 0:
                 keys = ("save_GBps", "cold_load_GBps", "warm_load_GBps")
                 measured.append(
-                    {"option": name, "path": path, **dict(zip(keys, rates, strict=True))}
+                    dict(zip(keys, rates, strict=True), option=name, turn=position, path=path)
                 )
     gc.unfreeze()
     return measured
 
 
 # %%
-# The page checks the warm-up round's DCP checkpoints (each rank's shards as the
-# save got them against what each load filled in, into a model set to NaN),
-# times each save's and load's planning (from the call to the first byte),
-# profiles the warm-up round's ``enable_plan_caching=True`` loads (cold, then
-# warm) and the saves with 4 threads, no CRC-32, runs the probe of the limits
-# before each round's first save, and before each measured save writes, then frees,
-# twice the checkpoint's size of memory (untimed), so that each save starts on memory
-# freed a moment before (below: why that matters).
+# The page checks the warm-up round's DCP checkpoints (each rank's shards as the save got
+# them against what each load filled in, into a model set to NaN), times each save's and
+# load's planning (from the call to the first byte), profiles the warm-up round's
+# ``enable_plan_caching=True`` loads (cold, then warm) and the saves with 4 threads, no
+# CRC-32, runs the probe of the limits before each round's first save, and before each
+# measured save writes, then frees, twice the checkpoint's size of memory (untimed), so
+# that each save starts on memory freed a moment before (below: why that matters).
 
 with (
     reads.load_phases(dcp, where=lambda path: "round0/enable_plan_caching" in path) as profiled,
@@ -427,7 +428,7 @@ disk.table(LIMITS)
 # %%
 # The saves, against the write + ``fsync`` limit:
 
-KNOBS = stats.group(knob_runs[0], "option")
+KNOBS = stats.group(knob_runs[0], "option", order=SAVE_OPTIONS)
 for knob in KNOBS.values():  # the page's planning times, joined to the recipe's rounds
     knob["save_planning_s"] = timing.slowest(save_planning, knob["path"])
     knob["load_planning_s"] = timing.slowest(load_planning, knob["path"], nth=1)  # warm loads
@@ -466,12 +467,11 @@ figures.measured(
 )
 
 # %%
-# Where the cold load's time goes in the warm-up round's
-# ``enable_plan_caching=True`` row, per rank (cProfile): ``torch.load`` reading
-# the bytes into new tensors, ``copy_`` into the model's, the rest (planning,
-# unpickling). The in-place reader (the loads of the "safetensors, streamed" row)
-# reads straight into the model's tensors, and skips the copy (what that buys: its
-# cold loads against the defaults', at the end).
+# Where the cold load's time goes in the warm-up round's ``enable_plan_caching=True`` row,
+# per rank (cProfile): ``torch.load`` reading the bytes into new tensors, ``copy_`` into the
+# model's, the rest (planning, unpickling). The in-place reader (the loads of the row
+# "safetensors, streamed") reads straight into the model's tensors, and skips the copy
+# (what that buys: its cold loads against the defaults', at the end).
 
 results.record("load_phases", profiled.by_rank)
 reads.phases_table(profiled, MODEL_BYTES)

@@ -1310,6 +1310,10 @@ def test_group_median_range_and_paired_factors(capsys):
         "a": {"round": [1, 2], "GBps": [1.0, 3.0]},
         "b": {"round": [1], "GBps": [2.0]},
     }
+    rotated = stats.group(runs[1:], "option", order=["a", "b", "c"])  # b ran first
+    assert list(stats.group(runs[1:], "option")) == ["b", "a"], "first seen"
+    assert list(rotated) == ["a", "b"], "in the order given; c never ran"
+    assert rotated["a"]["GBps"] == [3.0, 9.0], "each group's values in record order"
     assert stats.median([1.0, 3.0]) == stats.median(stats.summary([1.0, 3.0])) == 2.0
     assert stats.median_range([0.0012, 0.0010, 0.0015], ".1f", scale=1e3) == "1.2 (1.0-1.5)"
     # Paired, round by round: a change only where every round's factor is beyond 1.1.

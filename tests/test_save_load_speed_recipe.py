@@ -127,6 +127,11 @@ def test_the_limits_are_the_best_median_of_the_raw_seconds(values):
 def test_every_knob_was_timed_in_every_round_with_its_planning(values):
     knobs, repeats = values["knobs"], values["machine"]["repeats"]
     assert list(knobs) == KNOBS
+    # Each round started one knob later than the one before (round 0, the warm-up, at
+    # the first): no knob ran first, right after the probe, in every round.
+    for index, name in enumerate(KNOBS):
+        turns = [(index - number) % len(KNOBS) for number in range(1, repeats + 1)]
+        assert knobs[name]["turn"] == turns, name
     for name, knob in knobs.items():
         for key in ("save_GBps", "cold_load_GBps", "warm_load_GBps"):
             assert len(knob[key]) == repeats and all(v > 0 for v in knob[key]), (name, key)

@@ -142,19 +142,25 @@ def median(values: Sequence[float] | dict) -> float:
 
 
 def group(
-    records: Sequence[dict], by: str, where: Callable[[dict], bool] | None = None
+    records: Sequence[dict],
+    by: str,
+    where: Callable[[dict], bool] | None = None,
+    order: Sequence[Any] = (),
 ) -> dict[Any, dict[str, list]]:
-    """Measurements (dicts) grouped by their value of ``by``, in first-seen order: for each
-    group, every other key's values as a list, in record order (one per repeat). ``where``
-    keeps only some records (the timed rounds, say)."""
-    groups: dict[Any, dict[str, list]] = {}
+    """Measurements (dicts) grouped by their value of ``by``, in ``order`` (those it names,
+    first), else in first-seen order: for each group, every other key's values as a list,
+    in record order (one per repeat). ``where`` keeps only some records (the timed rounds,
+    say). ``order``: where rounds take turns in a rotated order, the page's own."""
+    groups: dict[Any, dict[str, list]] = {value: {} for value in order}
+    seen = set()
     for record in records:
         if where is None or where(record):
+            seen.add(record[by])
             entry = groups.setdefault(record[by], {})
             for key, value in record.items():
                 if key != by:
                     entry.setdefault(key, []).append(value)
-    return groups
+    return {value: entry for value, entry in groups.items() if value in seen}
 
 
 # The least factor a paired comparison calls a change: as ``asv compare``'s default
