@@ -269,13 +269,15 @@ def check_results(results: dict, ranks: int) -> dict:
         assert all(r["memory_kept"] == (strategy in KEPT) for run in rounds for r in run)
         assert not any(r["memory_kept"] for r in runs["warmup"][name]), "its first: measured"
 
-    # The intervals: from the warm-up round, ceil(multiple x the upload / the fastest step
+    # The intervals: from the warm-up round, ceil(multiple x the upload / the median step
     # without checkpoints), both the slowest rank's; the upload: DefaultStager overlap's first
     # checkpoint, from the call until durable (the loop's own timing), with steps beside it;
     # the swept runs ran every one.
     warmup = runs["warmup"]
     upload_s = max(r["segments"][0]["upload_s"] for r in warmup[SWEPT[0]])
-    step_s = max(min(t for t, _ in r["segments"][0]["steps"]) for r in warmup[STRATEGIES[0]])
+    step_s = max(
+        statistics.median(t for t, _ in r["segments"][0]["steps"]) for r in warmup[STRATEGIES[0]]
+    )
     chosen = {str(m): max(1, math.ceil(m * upload_s / step_s)) for m in MULTIPLES}
     assert config["intervals"] == chosen
     in_rounds = [run for rounds in runs["runs"].values() for run in rounds]
