@@ -1787,7 +1787,7 @@ def test_a_step_beside_no_save_is_the_median_of_such_steps():
     with pytest.raises(ValueError):
         stalls.quiet_step([])
     # Three steps beside a save that cost nothing, as noisy as the quiet ones: no overhead
-    # (against the quiet steps' lower quartile, 1.12 s, they would read 0.24 s).
+    # beyond the stall (against the quiet steps' lower quartile, 1.12 s: 0.25 s in all).
     overlapped = [[1.3, True], [1.25, True], [1.05, True]]
     segment = {"stall_s": 0.01, "steps": overlapped + [[t, False] for t in quiet]}
     assert stalls.overhead(segment, {"steps": []}) == pytest.approx(0.01 + 0.1 + 0.05 - 0.15)

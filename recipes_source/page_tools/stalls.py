@@ -666,9 +666,8 @@ def advice(
     took turns on the same machine: ``stats.below_in_most_rounds``), by more than the
     metric's ``ties`` where it has one. ``second``: the runner-up where it leads, else the
     strategy (lowest median first) that was as low, or that close, in half the rounds or
-    more; that one
-    is also the ``rival``, the strategy the page names beside the best (None where the
-    best leads: the page then shows the runner-up's median, not its name)."""
+    more; that one is also the ``rival``, the strategy the page names beside the best
+    (None where the best leads: the page then shows the runner-up's median, not its name)."""
     found = {}
     for metric, when in criteria.items():
         _, spec, unit, _ = METRICS[metric]
