@@ -151,16 +151,14 @@ def group(
     first), else in first-seen order: for each group, every other key's values as a list,
     in record order (one per repeat). ``where`` keeps only some records (the timed rounds,
     say). ``order``: where rounds take turns in a rotated order, the page's own."""
-    groups: dict[Any, dict[str, list]] = {value: {} for value in order}
-    seen = set()
+    groups: dict[Any, dict[str, list]] = {}
     for record in records:
         if where is None or where(record):
-            seen.add(record[by])
             entry = groups.setdefault(record[by], {})
             for key, value in record.items():
                 if key != by:
                     entry.setdefault(key, []).append(value)
-    return {value: entry for value, entry in groups.items() if value in seen}
+    return {value: groups[value] for value in dict.fromkeys([*order, *groups]) if value in groups}
 
 
 # The least factor a paired comparison calls a change: as ``asv compare``'s default
