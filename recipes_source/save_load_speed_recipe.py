@@ -136,15 +136,14 @@ print(f"{DEPTH} x Linear({WIDTH}, {WIDTH}): {MODEL_BYTES / 1e6:,.0f} MB")
 # ``dcp.save`` and ``dcp.load`` with every knob
 # ---------------------------------------------
 # Each row changes one thing from the defaults (``thread_count=1``,
-# ``single_file_per_rank=True``, ``sync_files=True``, no plan caching):
-# ``thread_count`` writer threads per rank, one file each;
-# ``single_file_per_rank=False``, one file per tensor; ``sync_files=False``, no
-# ``fsync`` (after a crash of the machine the checkpoint can *look* complete
-# with data missing: it shows what ``fsync`` costs); and
-# ``DefaultSavePlanner(enable_plan_caching=True)``: a save whose state dict has
-# the previous save's structure reuses its global plan; ``compute_crc32=False``:
-# ``torch.save`` skips each record's CRC-32, which ``torch.load`` never checks (the
-# row after it adds 4 threads). The last three rows change the format (below).
+# ``single_file_per_rank=True``, ``sync_files=True``, no plan caching): ``thread_count``
+# writer threads per rank, one file each; ``single_file_per_rank=False``, one file per
+# tensor; ``sync_files=False``, no ``fsync`` (after a crash of the machine the checkpoint
+# can *look* complete with data missing: it shows what ``fsync`` costs); and
+# ``DefaultSavePlanner(enable_plan_caching=True)``: a save whose state dict has the previous
+# save's structure reuses its global plan; ``compute_crc32=False``: ``torch.save`` skips
+# each record's CRC-32, which ``torch.load`` never checks (the row after it adds 4 threads).
+# The last three rows change the format (below).
 
 SAVE_OPTIONS = {
     "defaults": {},
@@ -471,7 +470,7 @@ figures.measured(
 # per rank (cProfile): ``torch.load`` reading the bytes into new tensors, ``copy_`` into the
 # model's, the rest (planning, unpickling). The in-place reader (the loads of the row
 # "safetensors, streamed") reads straight into the model's tensors, and skips the copy
-# (what that buys: its cold loads against the defaults', at the end).
+# (what that buys: its warm loads against the defaults', at the end).
 
 results.record("load_phases", profiled.by_rank)
 reads.phases_table(profiled, MODEL_BYTES)
@@ -578,8 +577,9 @@ ON = f"{LIMITS['total_bytes'] / 1e6:,.0f} MB on {MACHINE['cores']} cores, torch 
 speeds.best_table(HEADLINE, LIMITS, caption=ON)
 
 # %%
-# Each knob against the defaults (saves; the safetensors rows' loads too), round by
-# round: it bought something only where it beat the defaults by over 10% in most rounds.
+# Each knob against the defaults, round by round (saves; the safetensors rows' warm loads:
+# a cold load also carries the disk's speed of the moment, above against its limit): it
+# bought something only where it beat the defaults by over 10% in most rounds.
 
 ADVICE = speeds.advice(KNOBS, REPLICATED, loads=("safetensors", "safetensors, streamed"))
 results.record("advice", ADVICE)

@@ -48,7 +48,7 @@ KNOBS = [
 ]
 FILE_SYSTEM = KNOBS[:8]  # FileSystemWriter / FileSystemReader: their planning is timed
 WITH_DCP = KNOBS[:10]  # saved and loaded by dcp.save / dcp.load: the page checks them
-LOADS = ["safetensors", "safetensors, streamed"]  # their loads against the defaults
+LOADS = ["safetensors", "safetensors, streamed"]  # their warm loads against the defaults
 KINDS = ("write_fsync", "read_storage", "read_cache")
 FOLDER_OF_BEST = "thread_count-4-compute_crc32-False"  # its measured saves are timed
 TIMED_PHASES = ["planning, until write_data", "torch.save + write, per writer thread"]
@@ -306,7 +306,7 @@ def test_the_advice_compares_each_knob_with_the_defaults_of_its_own_round(values
         (name, knobs["defaults"]["save_GBps"], knobs[name]["save_GBps"]) for name in KNOBS[1:]
     ]
     compared += [
-        (f"cold load, {name}", knobs["defaults"]["cold_load_GBps"], knobs[name]["cold_load_GBps"])
+        (f"warm load, {name}", knobs["defaults"]["warm_load_GBps"], knobs[name]["warm_load_GBps"])
         for name in LOADS
     ]
     planning = [knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True")]

@@ -82,7 +82,7 @@ def best_table(found: dict, limits: dict, caption: str) -> figures.Table:
 
 
 def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[list[Any]]:
-    """Rows of "against the defaults, verdict, factor": each knob's save GB/s; the cold
+    """Rows of "against the defaults, verdict, factor": each knob's save GB/s; the warm
     load GB/s of each knob in ``loads``; planning with plan caching; and the lowest rank
     writing every replicated tensor (``replicated``: the page's replicated section). Each
     against the defaults of its own round (``stats.factor_cells``): a change only where
@@ -96,7 +96,18 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
     Where a knob's effect lies near 10% (``single_file_per_rank=False``, torch_checkpointing:
     x0.76-0.96 and x0.94-1.26 by median in 8 make bench runs at 512 MB), more rounds decide
     it more often alike, and so did a smaller checkpoint: hence make bench's 6 rounds at
-    256 MB (the Makefile says how often two runs agreed)."""
+    256 MB (the Makefile says how often two runs agreed).
+
+    A load's verdict is the warm load's (from the page cache): what a reader changes, how
+    it turns a file's bytes into the model's tensors, apart from the disk. A cold load adds
+    the disk's speed of the moment, which two readers follow unequally: in 8 make bench
+    runs (read limits 2.01-2.47 GB/s), the defaults' cold loads took 0.88-1.56 GB/s by
+    median and the stock safetensors reader's 1.01-1.40, which made it x1.02-1.22 the
+    defaults' in the 3 runs where they read 1.03 GB/s or less and x0.83-0.97 in the 5
+    others (runs 13 and 14: +4% and -14%, the rounds of each within a standard deviation
+    of 4-6%): more rounds would not make that verdict hold still. Warm, both safetensors
+    readers were faster in every round of the 8 runs (x2.53-3.25 and x3.40-4.39 by
+    median). The page shows each cold load against its own rounds' read limit."""
     defaults = knobs["defaults"]
 
     def cells(a: Sequence[float], b: Sequence[float], words=("faster", "slower")) -> list[str]:
@@ -107,7 +118,7 @@ def advice(knobs: dict, replicated: dict, loads: Sequence[str] = ()) -> list[lis
         for name, knob in list(knobs.items())[1:]
     ]
     rows += [
-        [f"cold load, {name}", *cells(defaults["cold_load_GBps"], knobs[name]["cold_load_GBps"])]
+        [f"warm load, {name}", *cells(defaults["warm_load_GBps"], knobs[name]["warm_load_GBps"])]
         for name in loads
     ]
     planning = (knobs[n]["save_planning_s"] for n in ("defaults", "enable_plan_caching=True"))
