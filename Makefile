@@ -133,7 +133,9 @@ serve: $(READY)
 # The speed page runs 6 rounds at 256 MB, in about the time 3 took at 512 MB: on 2026-12-06
 # here, three 6-round runs at each size, the advice's 14 verdicts agreed on 12.7 on average
 # between two runs at 256 MB and 10.7 at 512 MB; with 3 rounds (each run's first 3, and
-# its last 3), on 11.6 and 10.1.
+# its last 3), on 11.6 and 10.1. Later, in 11 runs in a row, the stall page's 52 verdicts
+# agreed between every two consecutive runs, and the speed page's 17 did once its load
+# verdicts came from warm loads (replayed on the first 9 runs' rounds, then run twice).
 bench: $(READY)
 	rm -rf $(BUILD)/bench-previous && if [ -d $(BUILD)/bench ]; then mv $(BUILD)/bench $(BUILD)/bench-previous; fi
 	DCP_RECIPES_BENCH=1 DCP_RECIPES_RESULTS_DIR=$(BUILD)/bench $(PY) -m torch.distributed.run --standalone --nproc-per-node=1 recipes_source/checkpoint_stall_benchmark.py
