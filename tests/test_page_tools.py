@@ -3679,9 +3679,12 @@ def test_the_storage_copy_helper_holds_the_gil_as_default_stagers_copy_does():
         for kind, move in copies.items()
     }
     # Beside the storage copy a Python thread runs between two pieces only, never during
-    # one; beside the tensor copy, during every piece too (the same load slows both).
-    assert ticks["storage copy"] <= 2 * len(pieces), ticks
-    assert ticks["tensor copy"] > 4 * max(ticks["storage copy"], 1), ticks
+    # one: twice a piece at most. Beside the tensor copy it runs during the pieces too,
+    # more often than the gaps between them allow. (Not a ratio of the two: a clean-clone
+    # make test saw 305 and 86, while here they are 290-330 and 11-13, or 690-850 and 30-55
+    # beside two busy processes: the gaps let the probe in more often when the CPU is shared.)
+    between_pieces = 2 * len(pieces)
+    assert ticks["storage copy"] <= between_pieces < ticks["tensor copy"], ticks
     # DefaultStager copies a tensor into the buffer it kept from its first stage with the
     # storage's copy: one 512 MB tensor, a Python thread beside it runs before and after
     # the copy (the stager's own Python), not during it, as beside the tensor's own copy
