@@ -298,14 +298,11 @@ def in_most_rounds(
 def below_in_most_rounds(values: Sequence[float], others: Sequence[Sequence[float]]) -> bool:
     """Whether ``values`` are below each of ``others`` in most rounds (over half), paired
     round by round (runs that took turns: a slow moment of the machine slows a round's runs
-    alike): each other's per-round differences lie above zero in most rounds, as
-    ``in_most_rounds`` decides a difference, and ``effect`` an effect."""
+    alike): ``in_most_rounds`` finds each other one above ``values`` ("more"), as it
+    decides a difference and ``effect`` an effect."""
     if any(len(other) != len(values) for other in others):
         raise ValueError("paired measurements come one per round")
-    return all(
-        _enough(sum(v < o for v, o in zip(values, other, strict=True)), len(values), every=False)
-        for other in others
-    )
+    return all(in_most_rounds(values, other)["change"] == "more" for other in others)
 
 
 def shown_entry(entry: dict | None, spec: str, unit: str) -> str:
